@@ -1,0 +1,377 @@
+"""Datasets, synthetic tasks, tokenisation, and the tiny default model built from them.
+
+A *row* is a plain dict, the one currency between data, rewards and the training loop:
+    uid              stable id; groups rollouts of the same prompt (SDPO demonstrations)
+    messages         chat messages of the prompt [{"role": ..., "content": ...}]
+    answer           ground truth for math / multiple choice (str) or None
+    tests            [{"input": str, "output": str}] for code / strops, or None
+    teacher_response a black-box teacher's response (GAD) or None
+    reference        a reference response for SFT (synthetic tasks) or None
+    reward           name of the reward function in feedback/ ("math", "strops", ...)
+    source           "file, row N" for error messages
+"""
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+from feedback.strops import OPS, run_program
+
+# ----------------------------------------------------------------------------------------
+# Synthetic tasks. Each yields train and held-out rows; the split is a hash of the row's
+# content, so a row never moves between splits when n or the seed changes.
+
+
+@dataclass
+class TaskConfig:
+    """Difficulty of the synthetic tasks (all flags under --data.*)."""
+    arith_digits: int = 2  # operand digits of the arithmetic task
+    arith_ops: str = "+-"  # operators drawn from
+    strops_max_ops: int = 2  # program length 1..max_ops
+    strops_str_len: int = 5  # input string length
+    strops_shown: int = 2  # examples shown in the prompt
+    strops_hidden: int = 2  # extra test cases only the checker sees
+    strops_alphabet: str = "abcdefgh"
+    heldout_percent: int = 10  # share of the content hash space that is held out
+
+
+ARITH_INSTRUCTION = "Give the final answer as 'Answer: <number>'."
+STROPS_INSTRUCTION = "Write the program that maps each input to its output. Reply with 'Program: op | op'."
+
+
+def _split_of(key: str, heldout_percent: int) -> str:
+    bucket = int(hashlib.sha1(key.encode()).hexdigest()[:8], 16) % 100
+    return "test" if bucket < heldout_percent else "train"
+
+
+def _arith_row(rng: random.Random, cfg: TaskConfig) -> dict:
+    lo, hi = 10 ** (cfg.arith_digits - 1) if cfg.arith_digits > 1 else 0, 10 ** cfg.arith_digits - 1
+    a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(cfg.arith_ops)
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    question = f"What is {a} {op} {b}?"
+    return {
+        "uid": f"arith:{a}{op}{b}",
+        "messages": [{"role": "user", "content": f"{question} {ARITH_INSTRUCTION}"}],
+        "answer": str(value),
+        "tests": None,
+        "reference": f"{a} {op} {b} = {value}\nAnswer: {value}",
+        "reward": "math",
+    }
+
+
+def _strops_row(rng: random.Random, cfg: TaskConfig) -> dict:
+    names = sorted(OPS)
+    program = [rng.choice(names) for _ in range(rng.randint(1, cfg.strops_max_ops))]
+    # Distinct characters make most ops observable; sort/dedup still differ on repeats.
+    cases = []
+    while len(cases) < cfg.strops_shown + cfg.strops_hidden:
+        s = "".join(rng.choice(cfg.strops_alphabet) for _ in range(cfg.strops_str_len))
+        if s not in [c["input"] for c in cases]:
+            cases.append({"input": s, "output": run_program(program, s)})
+    shown = "\n".join(f"{c['input']} -> {c['output']}" for c in cases[: cfg.strops_shown])
+    text = " | ".join(program)
+    return {
+        "uid": "strops:" + text + ":" + ",".join(c["input"] for c in cases),
+        "messages": [{"role": "user", "content": f"{shown}\n{STROPS_INSTRUCTION}"}],
+        "answer": text,
+        "tests": cases,
+        "reference": f"Program: {text}",
+        "reward": "strops",
+    }
+
+
+TASKS = {"arith": _arith_row, "strops": _strops_row}
+
+
+def task_rows(task: str, split: str, n: int, seed: int = 0, cfg: TaskConfig | None = None) -> list[dict]:
+    """n distinct rows of a synthetic task's split ("train" or "test"), deterministic in seed."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose from {sorted(TASKS)}")
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    cfg = cfg or TaskConfig()
+    # The held-out split does not depend on the seed: every run evaluates on the same rows.
+    rng = random.Random(f"{task}-{split}-{seed if split == 'train' else 0}")
+    rows, seen = [], set()
+    for _ in range(200 * n + 1000):
+        row = TASKS[task](rng, cfg)
+        if row["uid"] in seen or _split_of(row["uid"], cfg.heldout_percent) != split:
+            continue
+        seen.add(row["uid"])
+        rows.append({**row, "teacher_response": None, "source": f"task {task}, {split} row {len(rows)}"})
+        if len(rows) == n:
+            return rows
+    raise ValueError(f"task {task!r} has fewer than {n} distinct {split} rows at this difficulty; "
+                     f"got {len(rows)} (raise the difficulty or lower n)")
+
+
+# ----------------------------------------------------------------------------------------
+# User datasets: JSONL or Parquet, with a mapping from our field names to the file's columns.
+
+FIELDS = ("prompt", "answer", "tests", "teacher_response", "system", "uid")
+
+
+class DataError(ValueError):
+    pass
+
+
+def parse_field_map(spec: str) -> dict:
+    """'prompt=question,answer=solution' -> {"prompt": "question", "answer": "solution"}."""
+    mapping = {f: f for f in FIELDS}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        ours, _, theirs = item.partition("=")
+        if ours not in FIELDS or not theirs:
+            raise DataError(f"bad field mapping {item!r}: expected one of {FIELDS} '=' a column name")
+        mapping[ours] = theirs
+    return mapping
+
+
+def _read_records(path: str):
+    if path.endswith(".jsonl") or path.endswith(".json"):
+        with open(path) as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}, row {line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
+                if not isinstance(record, dict):
+                    raise DataError(f"{path}, row {line_no}: expected a JSON object, got {type(record).__name__}")
+                yield line_no, record
+    elif path.endswith(".parquet"):
+        import pyarrow.parquet as pq  # only needed for Parquet files
+        for i, record in enumerate(pq.read_table(path).to_pylist(), 1):
+            yield i, record
+    else:
+        raise DataError(f"{path}: unsupported file type (use .jsonl or .parquet)")
+
+
+def _check_messages(messages, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: expected a non-empty string or a list of chat messages")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: message {j} must be {{'role': str, 'content': str}}, got {m!r:.120}")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _check_tests(tests, where: str) -> list[dict]:
+    if isinstance(tests, str):  # code datasets often store tests as a JSON string
+        try:
+            tests = json.loads(tests)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: a string that is not JSON ({e.msg})") from None
+    if isinstance(tests, dict) and isinstance(tests.get("inputs"), list):  # {"inputs": [...], "outputs": [...]}
+        tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], tests.get("outputs", []))]
+    if not isinstance(tests, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("input"), str) and isinstance(t.get("output"), str) for t in tests):
+        raise DataError(f"{where}: expected a list of {{'input': str, 'output': str}}")
+    return [{"input": t["input"], "output": t["output"]} for t in tests]
+
+
+def load_rows(path: str, fields: str = "", reward: str = "math", limit: int = 0) -> list[dict]:
+    """Rows of a JSONL or Parquet file. `fields` maps our names to columns ('prompt=question').
+
+    prompt: a string (one user message) or a list of chat messages; system: an optional
+    system message put first; answer, teacher_response: strings (numbers are converted);
+    tests: a list of {input, output} (or its JSON string); uid: defaults to 'file:row'.
+    A malformed row raises DataError naming the file, the row and the field.
+    """
+    if not os.path.exists(path):
+        raise DataError(f"{path}: no such file")
+    mapping = parse_field_map(fields)
+    rows = []
+    for row_no, record in _read_records(path):
+        def where(field):
+            return f"{path}, row {row_no}, field '{field}' (column '{mapping[field]}')"
+
+        if mapping["prompt"] not in record or record[mapping["prompt"]] is None:
+            raise DataError(f"{where('prompt')}: missing; the row has columns {sorted(record)}")
+        prompt = record[mapping["prompt"]]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _check_messages(prompt, where("prompt"))
+        system = record.get(mapping["system"])
+        if system is not None:
+            if not isinstance(system, str):
+                raise DataError(f"{where('system')}: expected a string, got {type(system).__name__}")
+            messages = [{"role": "system", "content": system}] + [m for m in messages if m["role"] != "system"]
+        optional = {}
+        for field in ("answer", "teacher_response"):
+            value = record.get(mapping[field])
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = str(value)
+            if value is not None and not isinstance(value, str):
+                raise DataError(f"{where(field)}: expected a string, got {type(value).__name__}")
+            optional[field] = value
+        tests = record.get(mapping["tests"])
+        uid = record.get(mapping["uid"])
+        rows.append({
+            "uid": str(uid) if uid is not None else f"{os.path.basename(path)}:{row_no}",
+            "messages": messages,
+            "answer": optional["answer"],
+            "tests": None if tests is None else _check_tests(tests, where("tests")),
+            "teacher_response": optional["teacher_response"],
+            "reference": optional["teacher_response"],
+            "reward": reward,
+            "source": f"{path}, row {row_no}",
+        })
+        if limit and len(rows) == limit:
+            break
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------
+# Tokenisation: chat template, prompt truncation, padding.
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], max_len: int = 0) -> list[int]:
+    """Token ids of messages under the chat template, ending with the generation prompt.
+
+    Over max_len, tokens are cut from the middle of the prompt: the start (system prompt,
+    beginning of the question) and the end (the instruction and the generation prompt)
+    survive. The reference implementations cut on the right, which drops the generation
+    prompt and makes the model continue the user's turn.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if max_len and len(ids) > max_len:
+        bare = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        protected_tail = len(ids) - len(tokenizer(bare, add_special_tokens=False)["input_ids"]) + 1
+        ids = truncate_middle(ids, max_len, keep_tail=protected_tail)
+    return ids
+
+
+def truncate_middle(ids: list[int], max_len: int, keep_tail: int = 0) -> list[int]:
+    """Drop tokens from the middle so that len <= max_len; the last keep_tail tokens always stay."""
+    if len(ids) <= max_len:
+        return list(ids)
+    if keep_tail >= max_len:
+        raise ValueError(f"cannot keep {keep_tail} protected tokens within a limit of {max_len}")
+    room = max_len - keep_tail
+    head = room // 2
+    return list(ids[:head]) + list(ids[len(ids) - (room - head) - keep_tail:])
+
+
+def pad_left(seqs: list[list[int]], pad_id: int):
+    """Left-padded [B, L] input ids and attention mask (LongTensor), for prompt batches."""
+    import torch
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s):] = torch.tensor(s)
+            mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+# ----------------------------------------------------------------------------------------
+# The tiny default model: a byte-level BPE trained on the tasks' text and a small Qwen2
+# with random weights, written as an ordinary HF directory that transformers and vLLM load.
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_RECIPE_VERSION = 1  # bump when the code below changes what it builds
+
+
+@dataclass
+class TinyModelConfig:
+    seed: int = 0
+    vocab_size: int = 1024
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 2  # head_dim 64: vLLM's CPU attention rejects smaller heads
+    intermediate_size: int = 512
+    max_position_embeddings: int = 2048
+
+
+def _tokenizer_corpus(seed: int) -> list[str]:
+    """Text the tokenizer is trained on: prompts and answers of both tasks, and the SDPO
+    reprompt and feedback vocabulary, so that teacher contexts tokenise compactly."""
+    texts = []
+    for task in TASKS:
+        for split in ("train", "test"):
+            for row in task_rows(task, split, 300 if split == "train" else 30, seed=seed):
+                texts += [m["content"] for m in row["messages"]] + [row["reference"]]
+    texts += ["<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_start|>system\n"] * 50
+    texts += [
+        "Correct solution:", "Correctly solve the original question.",
+        "The following is feedback from your unsuccessful earlier attempt:",
+        "Your previous response was too long and truncated. Try again with a shorter response.",
+        "Your answer is incorrect.", "Input:", "Output:", "Expected:", "Unknown op", "Valid ops are:",
+        "Wrong answer", "Time limit exceeded", "Runtime error", "Format error",
+        " ".join(sorted(OPS)),
+    ]
+    return texts
+
+
+def build_tiny_model(out_dir: str, cfg: TinyModelConfig) -> str:
+    """Write the tiny model (config, safetensors, tokenizer, chat template) into out_dir."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    bpe = Tokenizer(models.BPE())
+    # Single-digit tokens: arithmetic is learnable digit by digit, whatever BPE merges.
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+    ])
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(_tokenizer_corpus(cfg.seed), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out_dir)
+
+    eos, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads, max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True, eos_token_id=eos, bos_token_id=eos, pad_token_id=pad,
+        rope_theta=10000.0, torch_dtype="float32",
+    )
+    torch.manual_seed(cfg.seed)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(out_dir)
+    GenerationConfig(eos_token_id=eos, pad_token_id=pad, bos_token_id=eos).save_pretrained(out_dir)
+    return out_dir
+
+
+def tiny_model_dir(cfg: TinyModelConfig | None = None, cache_dir: str | None = None) -> str:
+    """The cached tiny model for cfg, built on first use and whenever its recipe changes.
+
+    Concurrent builders (torchrun ranks, parallel tests) each build into a temporary
+    directory and rename it into place; the first rename wins and the others are dropped.
+    """
+    cfg = cfg or TinyModelConfig()
+    recipe = json.dumps({"version": TINY_RECIPE_VERSION, **cfg.__dict__}, sort_keys=True)
+    cache_dir = cache_dir or os.environ.get("SDPO_CACHE", os.path.expanduser("~/.cache/sdpo"))
+    path = os.path.join(cache_dir, "tiny-" + hashlib.sha1(recipe.encode()).hexdigest()[:12])
+    if os.path.exists(os.path.join(path, "recipe.json")):
+        return path
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=cache_dir, prefix=".build-")
+    try:
+        build_tiny_model(tmp, cfg)
+        with open(os.path.join(tmp, "recipe.json"), "w") as f:  # written last: marks a complete build
+            f.write(recipe)
+        os.rename(tmp, path)
+    except OSError:
+        if not os.path.exists(os.path.join(path, "recipe.json")):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

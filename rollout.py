@@ -1,0 +1,235 @@
+"""The vLLM rollout engine: generation with per-token log-probs, and verified weight sync.
+
+Placements:
+  colocated  the engine shares the trainers' device (the one GPU, or the CPU)
+  separate   the engine runs on its own GPU, the one after the trainers' GPUs
+Rank 0 owns the engine. Its core runs in-process only when this is a single process on
+a colocated device; under torchrun with several ranks an in-process engine joins the
+trainers' process group and hangs, so there the core gets its own process, started with
+torchrun's variables hidden from it.
+
+Every weight sync is proven: after loading, the engine scores a fixed probe sequence and
+the result must match the trainer's log-probs of the same sequence (peer projects have
+shipped syncs that silently changed nothing).
+"""
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+class EngineError(RuntimeError):
+    """The engine died, timed out, or a weight sync did not arrive."""
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    response_ids: list[int]  # includes the EOS token when the response finished
+    logprobs: list[float]  # engine log-probs of response_ids at the sampling temperature
+    text: str
+    truncated: bool  # no EOS before max_tokens
+
+
+@dataclass
+class SyncResult:
+    seconds: float
+    probe_max_abs_diff: float
+
+
+@contextlib.contextmanager
+def _patched_env(set_vars: dict, remove_vars=()):
+    saved = {k: os.environ.get(k) for k in list(set_vars) + list(remove_vars)}
+    try:
+        for k in remove_vars:
+            os.environ.pop(k, None)
+        os.environ.update(set_vars)
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _checkpoint_keys(model_dir: str) -> set[str]:
+    """Keys a full sync must carry: the checkpoint's, plus lm_head.weight of a tied model,
+    which HF does not save but vLLM's layerwise reload waits for."""
+    import json
+    from safetensors import safe_open
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False))
+    keys = {"lm_head.weight"} if tied else set()
+    for name in os.listdir(model_dir):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, name), "pt") as f:
+                keys.update(f.keys())
+    return keys
+
+
+class Engine:
+    """A vLLM engine driven by rank 0.
+
+    own_process: None chooses in-process for a single colocated process and an engine-core
+    process otherwise. dtype "float32" makes the engine match a float32 trainer to ~1e-4;
+    "bfloat16" is what GPUs run (see the README for the probe tolerance that holds).
+    """
+
+    def __init__(self, model_dir: str, placement: str = "colocated", dtype: str = "auto",
+                 gpu_memory_utilization: float = 0.3, max_model_len: int = 2048, seed: int = 0,
+                 own_process: bool | None = None, engine_gpu: int | None = None, rpc_timeout_s: float = 600.0,
+                 enforce_eager: bool = True):
+        from vllm import LLM
+        if placement not in ("colocated", "separate"):
+            raise ValueError(f"placement must be 'colocated' or 'separate', got {placement!r}")
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if own_process is None:
+            own_process = world_size > 1 or placement == "separate"
+        if not own_process and world_size > 1:
+            raise ValueError("an in-process engine under torchrun with several ranks hangs at start-up; "
+                             "use own_process=True")
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if own_process else "0"}
+        if placement == "separate" and torch.cuda.is_available():
+            # The engine takes the GPU after the trainers' (trainers on 0..N-1 of this node).
+            gpu = engine_gpu if engine_gpu is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
+        self.model_dir = model_dir
+        self.own_process = own_process
+        self.rpc_timeout_s = rpc_timeout_s
+        self.expected_keys = _checkpoint_keys(model_dir)
+        self._sync_dir = None
+        t0 = time.perf_counter()
+        with _patched_env(env, TORCHRUN_VARS if own_process else ()):
+            self.llm = LLM(
+                model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                # Log-probs after temperature: the ones the sampler actually drew from, which
+                # the trainer reproduces by dividing its logits by the same temperature.
+                logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+            )
+        self.start_seconds = time.perf_counter() - t0
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except EngineError:
+            raise
+        except Exception as e:  # vLLM's EngineDeadError, TimeoutError, broken pipes ...
+            raise EngineError(f"vLLM engine failed during {what}: {type(e).__name__}: {e}") from e
+
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, max_tokens: int,
+                 seed: int) -> list[list[Sample]]:
+        """n samples for each prompt (token ids). No top-p/top-k: training rollouts must be
+        drawn from the full tempered distribution for the log-probs to be correct."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed * 100003 + i,
+                                 logprobs=0, top_p=1.0, top_k=0, min_p=0.0, skip_special_tokens=True)
+                  for i in range(len(prompts))]
+        outputs = self._call("generate", self.llm.generate,
+                             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        result = []
+        for prompt, out in zip(prompts, outputs):
+            samples = []
+            for completion in out.outputs:
+                ids = list(completion.token_ids)
+                logprobs = [step[token].logprob for token, step in zip(ids, completion.logprobs)]
+                samples.append(Sample(prompt_ids=list(prompt), response_ids=ids, logprobs=logprobs,
+                                      text=completion.text, truncated=completion.finish_reason == "length"))
+            result.append(samples)
+        return result
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(token_t | tokens_<t) for t = 1.. of each sequence, at temperature 1."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        outputs = self._call("score", self.llm.generate,
+                             [TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False)
+        return [[step[token].logprob for token, step in zip(seq[1:], out.prompt_logprobs[1:])]
+                for seq, out in zip(sequences, outputs)]
+
+    def update_weights(self, state_dict: dict, probe_ids: list[int], trainer_probe_logprobs: torch.Tensor,
+                       tol: float) -> SyncResult:
+        """Load a full HF-named state dict into the engine, reset the prefix cache, and prove it.
+
+        trainer_probe_logprobs: [len(probe_ids) - 1] log-probs of the probe under the weights
+        being synced (see `probe_logprobs`). Raises EngineError when keys are missing or the
+        engine's probe log-probs differ from the trainer's by more than tol (max abs, nats).
+        """
+        t0 = time.perf_counter()
+        missing = self.expected_keys - set(state_dict)
+        if missing:
+            # vLLM reloads layer by layer and keeps *every* old weight when one key is absent.
+            raise EngineError(f"weight sync: state dict lacks {len(missing)} checkpoint keys, e.g. "
+                              f"{sorted(missing)[:5]} (a tied lm_head.weight must be included)")
+        if self.own_process:
+            # Tensors cannot cross to the engine process by pickling (bf16 has no buffer
+            # protocol), so they go through a safetensors file in shared memory.
+            self._write_sync_file(state_dict)
+            self._call("weight sync", self.llm.collective_rpc, "reload_weights", timeout=self.rpc_timeout_s,
+                       kwargs={"weights_path": self._sync_dir})
+        else:
+            weights = [(k, v.detach()) for k, v in state_dict.items()]
+            self._call("weight sync", self.llm.collective_rpc, "reload_weights", timeout=self.rpc_timeout_s,
+                       kwargs={"weights_iterator": iter(weights)})
+        self._call("prefix cache reset", self.llm.reset_prefix_cache)
+        engine_probe = torch.tensor(self.score([probe_ids])[0])
+        diff = (engine_probe - trainer_probe_logprobs.detach().float().cpu()).abs().max().item()
+        if not diff <= tol:  # NaN fails too
+            raise EngineError(f"weight sync did not arrive: engine and trainer probe log-probs differ by "
+                              f"{diff:.4g} nats (tolerance {tol})")
+        return SyncResult(seconds=time.perf_counter() - t0, probe_max_abs_diff=diff)
+
+    def _write_sync_file(self, state_dict: dict):
+        from safetensors.torch import save_file
+        if self._sync_dir is None:
+            base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._sync_dir = tempfile.mkdtemp(prefix="sdpo-sync-", dir=base)
+        tensors, seen = {}, set()
+        for name, tensor in state_dict.items():
+            tensor = tensor.detach().to("cpu").contiguous()
+            if tensor.data_ptr() in seen:  # tied weights share storage; safetensors refuses that
+                tensor = tensor.clone()
+            seen.add(tensor.data_ptr())
+            tensors[name] = tensor
+        path = os.path.join(self._sync_dir, "model.safetensors")
+        save_file(tensors, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def close(self):
+        if self._sync_dir:
+            shutil.rmtree(self._sync_dir, ignore_errors=True)
+            self._sync_dir = None
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+
+
+def probe_ids(tokenizer) -> list[int]:
+    """A fixed sequence the engine and the trainer both score after every sync."""
+    messages = [{"role": "user", "content": "What is 12 + 30? Give the final answer as 'Answer: <number>'."}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text + "12 + 30 = 42\nAnswer: 42", add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def probe_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """The trainer's log p(token_t | tokens_<t), t = 1.., in float32 (every FSDP rank calls this)."""
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([ids], device=device)
+    logits = model(input_ids=input_ids).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[0, 1:, None]).squeeze(-1).cpu()
