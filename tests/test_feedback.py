@@ -1,0 +1,517 @@
+"""Tests for feedback/: reward parsing, feedback texts, the code sandbox (hostile programs included)
+and the reward-function plumbing. Fast: the slow hostile programs run with 1-2 s limits."""
+
+import os
+import re
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from feedback import (TRUNCATION_FEEDBACK, Reward, cut, get_reward_fn, score, score_batch,
+                      wrong_answer_feedback)
+from feedback.code import FORMAT_FEEDBACK as CODE_FORMAT_FEEDBACK
+from feedback.code import code_reward, extract_code
+from feedback.math import FORMAT_FEEDBACK as MATH_FORMAT_FEEDBACK
+from feedback.math import extract_answer, math_reward, normalize
+from feedback.mc import extract_choice, mc_reward
+from feedback.sandbox import Limits, processes_of_uid, run_tests
+from feedback.strops import OPS, extract_program, parse_program, run_program, strops_reward
+
+REPO = Path(__file__).resolve().parents[1]
+IS_ROOT = os.geteuid() == 0
+pytestmark = pytest.mark.filterwarnings("ignore:sandbox.*not executable:RuntimeWarning")
+
+
+# -----------------------------------------------------------------------------
+# math
+
+@pytest.mark.parametrize("response, expected", [
+    ("The sum is 40 + 2.\nAnswer: 42", "42"),
+    ("Answer: 42.", "42"),
+    ("**Answer:** -7 apples", "-7"),
+    ("Answer:\n\n  1,234", "1,234"),
+    ("so x = \\boxed{\\frac{1}{2}} and later 3", "\\frac{1}{2}"),  # boxed beats the last number
+    ("\\boxed{\\{1, 2\\}} is it", "\\{1, 2\\}"),  # nested braces
+    ("first \\boxed{3}, then \\boxed{4}", "4"),  # the last one
+    ("\\boxed{3} then a broken \\boxed{4", "3"),  # unbalanced last box is skipped
+    ("Answer: $\\frac{3}{4}$", "\\frac{3}{4}"),  # latex after Answer: stays whole
+    ("I computed 12 then 15, so 17", "17"),  # fallback: last number
+    ("no numbers here", None),
+])
+def test_math_extract(response, expected):
+    assert extract_answer(response) == expected
+
+
+@pytest.mark.parametrize("a, b", [
+    ("1,234", "1234"), ("42.0", "42"), ("+5", "5"), (" 7 ", "7"), ("0.50", "0.5"), ("$12$", "12"),
+    ("-0.0", "0"), ("\\dfrac{1}{2}", "\\frac{1}{2}"), ("1 000", "1000"), ("12.", "12"),
+])
+def test_math_normalize_equal(a, b):
+    assert normalize(a) == normalize(b)
+
+
+@pytest.mark.parametrize("a, b", [("1,2", "12"), ("42.01", "42"), ("-5", "5"), ("1/2", "2")])
+def test_math_normalize_different(a, b):
+    assert normalize(a) != normalize(b)
+
+
+def test_math_reward():
+    row = {"uid": "m1", "answer": "42"}
+    assert math_reward("6*7 = 42\nAnswer: 42", row, False) == Reward(1.0)
+    assert math_reward("\\boxed{42.0}", row, False).score == 1.0
+    assert math_reward("Answer: +42", row, False).score == 1.0
+    assert math_reward("Answer: 1,042", {"answer": "1042"}, False).score == 1.0
+    wrong = math_reward("Answer: 41", row, False)
+    assert wrong == Reward(0.0, "Your answer 41 is incorrect.")
+    assert math_reward("I give up", row, False) == Reward(0.0, MATH_FORMAT_FEEDBACK)
+    assert MATH_FORMAT_FEEDBACK.startswith("Your answer must end with")
+    # even a correct answer scores 0 when the response was cut off: it never finished
+    assert math_reward("Answer: 42 and then more and mo", row, True) == Reward(0.0, TRUNCATION_FEEDBACK)
+
+
+def test_math_reveal_answer_only_when_asked():
+    row = {"uid": "m1", "answer": "42"}
+    assert math_reward("Answer: 41", row, False, reveal_answer=True).feedback == \
+        "Your answer 41 is incorrect. The correct answer is 42."
+    assert "42" in math_reward("Answer: 41", {**row, "reveal_answer": True}, False).feedback
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=200))
+def test_math_feedback_never_contains_ground_truth(response):
+    truth = "98765"
+    r = math_reward(response, {"uid": "h", "answer": truth}, False)
+    if truth not in response:
+        assert truth not in r.feedback
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(-10**9, 10**9), st.integers(-10**9, 10**9))
+def test_math_integer_answers(given_answer, truth):
+    r = math_reward(f"Let me think.\nAnswer: {given_answer}", {"answer": str(truth)}, False)
+    assert r.score == float(given_answer == truth)
+    assert r.feedback == ("" if given_answer == truth else f"Your answer {given_answer} is incorrect.")
+
+
+# -----------------------------------------------------------------------------
+# multiple choice
+
+@pytest.mark.parametrize("text, letter", [
+    ("so \\boxed{B}", "B"), ("Answer: C", "C"), ("The answer is (D).", "D"), ("I like (A) more than (E)", "E"),
+    ("A first guess, but finally G", "G"), ("nothing here", None), ("Answer: Because", None),
+])
+def test_mc_extract(text, letter):
+    assert extract_choice(text) == letter
+
+
+def test_mc_reward_score_only():
+    row = {"uid": "q", "answer": "B"}
+    assert mc_reward("Answer: B", row, False) == Reward(1.0)
+    assert mc_reward("Answer: C", row, False) == Reward(0.0)  # no feedback: it would leak the answer
+    assert mc_reward("\\boxed{b}", {"answer": "(b)"}, False).score == 0.0  # lower-case b is not a choice
+    assert mc_reward("(B)", {"answer": "b"}, False).score == 1.0
+    assert mc_reward("Answer: B", row, True) == Reward(0.0, TRUNCATION_FEEDBACK)
+
+
+# -----------------------------------------------------------------------------
+# strops
+
+@pytest.mark.parametrize("op, s, out", [
+    ("reverse", "abc", "cba"), ("upper", "aBc", "ABC"), ("lower", "AbC", "abc"), ("sort", "cab", "abc"),
+    ("dedup", "abacbd", "abcd"), ("rotl", "abcd", "bcda"), ("rotr", "abcd", "dabc"),
+    ("swapcase", "aBc", "AbC"), ("double", "ab", "aabb"), ("dropfirst", "abc", "bc"),
+    ("droplast", "abc", "ab"), ("evens", "abcdef", "ace"), ("odds", "abcdef", "bdf"),
+])
+def test_strops_each_op(op, s, out):
+    assert OPS[op](s) == out
+    assert OPS[op]("") == ""  # every op is total
+
+
+def test_strops_program():
+    assert parse_program("reverse | upper") == ["reverse", "upper"]
+    assert parse_program(" reverse|upper ") == ["reverse", "upper"]
+    assert run_program(["reverse", "upper"], "abc") == "CBA"
+    assert run_program("double | dropfirst | evens", "abc") == "abc"  # aabbcc -> abbcc -> abc
+    assert run_program([], "xyz") == "xyz"
+    with pytest.raises(ValueError, match=r"unknown op 'revers'.*Valid ops: reverse, upper"):
+        parse_program("revers | upper")
+    with pytest.raises(ValueError, match="empty program"):
+        parse_program("   ")
+    with pytest.raises(ValueError, match="empty step"):
+        parse_program("reverse || upper")
+    with pytest.raises(ValueError, match="longer than 100"):
+        run_program("double | double | double | double", "a" * 10, max_len=100)
+
+
+@pytest.mark.parametrize("response, program", [
+    ("I think it reverses.\nProgram: reverse | upper\nDone.", "reverse | upper"),
+    ("Program: `sort`", "sort"),
+    ("Program:\n\n  rotl | rotl  \n", "rotl | rotl"),
+    ("Program: a\nProgram: lower", "lower"),  # the last one
+    ("reverse\nmore text", "reverse"),  # no marker: first line of the response
+])
+def test_strops_extract(response, program):
+    assert extract_program(response) == program
+
+
+def _row(pairs):
+    return {"uid": "s1", "tests": [{"input": i, "output": o} for i, o in pairs]}
+
+
+def test_strops_reward_exact_feedback():
+    # the program "reverse" where "reverse | upper" was meant: 3 of 4 tests fail; the two with the
+    # shortest inputs are shown, shortest first (ties keep their order)
+    row = _row([("abcd", "DCBA"), ("xy", "YX"), ("", ""), ("pq", "QP")])
+    r = strops_reward("Program: reverse", row, False)
+    assert r == Reward(0.0, "Wrong Answer: 3 of 4 tests failed.\n\n"
+                            "Input:\nxy\nOutput:\nyx\nExpected:\nYX\n\n"
+                            "Input:\npq\nOutput:\nqp\nExpected:\nQP")
+    assert strops_reward("Program: reverse | upper", row, False) == Reward(1.0)
+    assert strops_reward("Program: upper | reverse", row, False) == Reward(1.0)
+
+
+def test_strops_reward_empty_output_is_visible():
+    r = strops_reward("Program: dropfirst", _row([("a", "A")]), False)
+    assert r.feedback == "Wrong Answer: 1 of 1 tests failed.\n\nInput:\na\nOutput:\n(empty)\nExpected:\nA"
+
+
+def test_strops_reward_format_errors():
+    r = strops_reward("Program: reverse | shout", _row([("ab", "BA")]), False)
+    assert r.score == 0.0
+    assert r.feedback.startswith("Format Error: unknown op 'shout'. Valid ops: reverse, upper, lower, sort, dedup, "
+                                 "rotl, rotr, swapcase, double, dropfirst, droplast, evens, odds.")
+    assert strops_reward("Program:", _row([("ab", "BA")]), False).feedback.startswith("Format Error: empty program.")
+    # a doubling chain cannot blow up memory: it is cut off and simply fails
+    r = strops_reward("Program: " + " | ".join(["double"] * 80), _row([("ab", "ab")]), False)
+    assert r.score == 0.0 and "output longer than" in r.feedback
+
+
+def test_strops_reward_cut_limits():
+    long_in = "a" * 600
+    r = strops_reward("Program: upper", _row([(long_in, long_in)]), False)
+    lines = r.feedback.split("\n")
+    assert lines[2:] == ["Input:", "a" * 247 + "...", "Output:", "A" * 247 + "...",  # fields cut to 250 chars
+                         "Expected:", "a" * 247 + "..."]
+    assert len(r.feedback) <= 2000
+    assert strops_reward("Program: upper", _row([("ab", "AB")]), True) == Reward(0.0, TRUNCATION_FEEDBACK)
+
+
+def test_feedback_cut_helpers():
+    assert cut("abcdef", 10) == "abcdef"
+    assert cut("abcdefghijkl", 10) == "abcdefg..."
+    assert cut("abcdefghijkl", 10, keep="tail") == "...fghijkl"
+    fails = [("i" * 900, "o" * 900, "e" * 900)] * 3
+    text = wrong_answer_feedback(fails, 5, field_chars=900, total_chars=2000)
+    assert len(text) == 2000 and text.endswith("...") and text.startswith("Wrong Answer: 3 of 5 tests failed.")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from(sorted(OPS)), min_size=1, max_size=5),
+       st.lists(st.text(alphabet="abcXYZ", max_size=8), min_size=1, max_size=4))
+def test_strops_round_trip(ops, inputs):
+    """What the data generator does: expected outputs from run_program; the true program then passes."""
+    program = " | ".join(ops)
+    row = _row([(s, run_program(program, s)) for s in inputs])
+    assert run_program(parse_program(program), inputs[0]) == row["tests"][0]["output"]
+    assert strops_reward(f"Let me see.\nProgram: {program}", row, False) == Reward(1.0)
+
+
+# -----------------------------------------------------------------------------
+# code: extraction and verdicts
+
+ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
+ADD_ROW = {"uid": "c1", "tests": [{"input": "10 20\n", "output": "30\n"}, {"input": "1 2\n", "output": "3"},
+                                  {"input": "100 200\n", "output": "300"}]}
+FAST = dict(cpu_seconds=1, wall_seconds=2)  # limits for the hostile programs, to keep the tests fast
+
+
+def fenced(code):
+    return f"Here you go:\n```python\n{code}```\nDone."
+
+
+def test_code_extract():
+    assert extract_code(fenced("print(1)\n")) == "print(1)\n"
+    assert extract_code("```python\nprint(1)\n```\n```python\nprint(2)\n```") == "print(2)\n"
+    assert extract_code("```\nprint(3)\n```") == "print(3)\n"
+    assert extract_code("```python\nprint(1)\n```\n```\nprint(3)\n```") == "print(1)\n"  # python beats untagged
+    assert extract_code("print(4)") == "print(4)"  # no fence: the whole response, if it is Python
+    assert extract_code("I would loop over the input.") is None
+    assert extract_code("") is None
+
+
+def test_code_correct_passes():
+    assert code_reward(fenced(ADD), ADD_ROW, False) == Reward(1.0)
+
+
+def test_code_wrong_answer_feedback():
+    r = code_reward(fenced("a, b = map(int, input().split())\nprint(a * b)\n"), ADD_ROW, False)
+    assert r == Reward(0.0, "Wrong Answer: 3 of 3 tests failed.\n\n"
+                            "Input:\n1 2\nOutput:\n2\nExpected:\n3\n\n"
+                            "Input:\n10 20\nOutput:\n200\nExpected:\n30")
+
+
+def test_code_output_comparison_ignores_trailing_whitespace():
+    assert code_reward(fenced("print('3  ')\nprint()\n"), {"tests": [{"input": "", "output": "3"}]}, False).score == 1.0
+
+
+def test_code_runtime_error_feedback():
+    r = code_reward(fenced("a, b = map(int, input().split())\nprint(a // (b - 2))\n"), ADD_ROW, False)
+    assert r.score == 0.0
+    # the shortest input ("1 2") runs first and is the one that crashes; the traceback names the
+    # file "solution.py", not its random temp path (the caret line varies across Python versions)
+    assert r.feedback.startswith('Runtime Error\nTraceback (most recent call last):\n  File "solution.py", line 2')
+    assert r.feedback.endswith("ZeroDivisionError: integer division or modulo by zero\nInput:\n1 2")
+    r = code_reward(fenced("import sys\nsys.exit(3)\n"), ADD_ROW, False)
+    assert r.feedback == "Runtime Error\nThe program exited with code 3.\nInput:\n1 2"
+
+
+def test_code_format_and_compile_errors():
+    assert code_reward("I am not sure how to solve this.", ADD_ROW, False) == Reward(0.0, CODE_FORMAT_FEEDBACK)
+    r = code_reward(fenced("print(1\n"), ADD_ROW, False)
+    assert r == Reward(0.0, "Compile Error\nSyntaxError: '(' was never closed (solution.py, line 1)")
+    assert code_reward(fenced(ADD), ADD_ROW, True) == Reward(0.0, TRUNCATION_FEEDBACK)
+
+
+def test_code_row_without_tests_is_an_error_not_a_crash():
+    r = score(code_reward, fenced(ADD), {"uid": "no-tests", "tests": None}, False)
+    assert r.score == 0.0 and "needs row['tests']" in r.error and "no-tests" in r.error
+
+
+def test_score_batch_code_in_order():
+    responses = [fenced(ADD), fenced("print(0)\n"), "no code", fenced(ADD)]
+    out = score_batch(code_reward, responses, [ADD_ROW] * 4, [False, False, False, True], workers=2)
+    assert [r.score for r in out] == [1.0, 0.0, 0.0, 0.0]
+    assert out[1].feedback.startswith("Wrong Answer: 3 of 3") and out[2].feedback == CODE_FORMAT_FEEDBACK
+    assert out[3].feedback == TRUNCATION_FEEDBACK
+
+
+# -----------------------------------------------------------------------------
+# code: hostile programs are contained
+
+def _assert_all_gone(result):
+    """No process of the run is left: not its process group, not its uid, no zombie of ours."""
+    with pytest.raises(ProcessLookupError):
+        os.killpg(result.pid, 0)
+    if result.uid is not None:
+        assert processes_of_uid(result.uid) == []
+    with pytest.raises(ChildProcessError):  # the launcher reaped everything; nothing re-parented to us
+        os.waitpid(-1, os.WNOHANG)
+
+
+def test_code_infinite_loop_is_time_limited():
+    t = time.monotonic()
+    r = code_reward(fenced("while True:\n    pass\n"), ADD_ROW, False, **FAST)
+    assert time.monotonic() - t < 10
+    assert r == Reward(0.0, "Time Limit Exceeded\nThe program did not finish within the time limit of 1 s.\n"
+                            "Input:\n1 2")
+
+
+def test_code_sleep_hits_wall_clock():
+    t = time.monotonic()
+    res = run_tests("import time\ntime.sleep(60)\n", ["x"], Limits(**FAST))
+    assert time.monotonic() - t < 10
+    assert res[0].timed_out
+    _assert_all_gone(res[0])
+
+
+def test_code_fork_bomb_is_contained():
+    code = "import os\nwhile True:\n    os.fork()\n"
+    t = time.monotonic()
+    r = code_reward(fenced(code), ADD_ROW, False, **FAST)
+    assert time.monotonic() - t < 15
+    assert r.score == 0.0 and r.error == ""
+    assert r.feedback.startswith(("Runtime Error", "Time Limit Exceeded")), r.feedback
+    res = run_tests(code, ["1"], Limits(**FAST))
+    _assert_all_gone(res[0])
+
+
+def test_code_stubborn_fork_bomb_is_contained():
+    """Children ignore fork errors and keep going: only the limits and the cleanup stop them."""
+    code = ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
+    t = time.monotonic()
+    res = run_tests(code, ["1"], Limits(**FAST))
+    assert time.monotonic() - t < 15
+    assert res[0].returncode != 0
+    _assert_all_gone(res[0])
+
+
+def test_code_detached_children_are_killed():
+    """Children that leave the process group (setsid) and outlive the program are still killed."""
+    code = ("import os, time\n"
+            "pids = []\n"
+            "for _ in range(3):\n"
+            "    pid = os.fork()\n"
+            "    if pid == 0:\n"
+            "        os.setsid()\n"
+            "        time.sleep(600)\n"
+            "        os._exit(0)\n"
+            "    pids.append(pid)\n"
+            "print(*pids)\n")
+    res = run_tests(code, [""], Limits(**FAST))
+    assert res[0].returncode == 0 and not res[0].timed_out
+    pids = [int(p) for p in res[0].stdout.split()]
+    assert len(pids) == 3
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    _assert_all_gone(res[0])
+
+
+def test_code_fork_bombs_do_not_starve_concurrent_sandboxes():
+    """Each concurrent sandbox has its own uid, so one program's process budget is its own."""
+    bomb = fenced("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
+    responses = [bomb, fenced(ADD), bomb, fenced(ADD), fenced(ADD)]
+    # the bombs get short limits; the normal programs the default ones, so that a loaded machine
+    # cannot turn them into a (correct) wall-clock timeout
+    out = score_batch(lambda r, row, t: code_reward(r, row, t, **(FAST if "fork" in r else {})), responses,
+                      [ADD_ROW] * 5, [False] * 5, workers=5)
+    assert [r.score for r in out] == [0.0, 1.0, 0.0, 1.0, 1.0], out
+
+
+def test_code_huge_allocation_is_memory_error():
+    t = time.monotonic()
+    r = code_reward(fenced("x = bytearray(10**11)\nprint(len(x))\n"), ADD_ROW, False)
+    assert time.monotonic() - t < 10
+    assert r == Reward(0.0, "Memory Limit Exceeded\nThe program tried to use more than 512 MiB of memory.\n"
+                            "Input:\n1 2")
+
+
+def test_code_output_flood_is_limited():
+    r = code_reward(fenced("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n"), ADD_ROW, False,
+                    max_file_mb=1, **FAST)
+    assert r.feedback.startswith("Output Limit Exceeded\nThe program wrote more than 1 MiB")
+
+
+def test_code_environment_and_scratch_dir():
+    """The program sees only PATH, LANG and HOME (= its cwd, a fresh writable temp dir)."""
+    code = ("import os\n"
+            "open('scratch.txt', 'w').write('ok')\n"
+            "print(' '.join(sorted(os.environ)))\n"
+            "print(open('scratch.txt').read(), os.environ['HOME'] == os.getcwd(), sorted(os.listdir('.')))\n")
+    res = run_tests(code, ["", ""], Limits())
+    assert [r.stdout for r in res] == ["HOME LANG PATH\nok True ['scratch.txt']\n"] * 2  # fresh dir per test
+
+
+def test_code_temp_dir_is_removed():
+    res = run_tests("import os\nprint(os.getcwd())\n", [""], Limits())
+    assert res[0].returncode == 0
+    assert not os.path.exists(res[0].stdout.strip())
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="without root the program runs as our own user; only file "
+                                        "permissions stop writes (see feedback/sandbox.py)")
+def test_code_cannot_write_outside_its_dir(tmp_path):
+    outside = tmp_path / f"sub_{uuid.uuid4().hex}"
+    outside.mkdir()
+    os.chmod(outside, 0o755)  # even a world-traversable root-owned dir: the sandbox uid cannot write
+    targets = [outside / "evil", REPO / f"evil_{uuid.uuid4().hex}"]
+    for target in targets:
+        r = code_reward(fenced(f"open({str(target)!r}, 'w').write('pwned')\n"), ADD_ROW, False)
+        assert not target.exists()
+        assert r.score == 0.0
+        assert r.feedback.startswith("Runtime Error") and "PermissionError" in r.feedback
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="network isolation needs root")
+def test_code_has_no_network():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    try:
+        code = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+                f"    print('connected')\nexcept OSError as e:\n    print('blocked')\n")
+        res = run_tests(code, [""], Limits())
+        if not res[0].network_isolated:
+            pytest.skip("could not create a network namespace here")
+        assert res[0].stdout == "blocked\n"
+    finally:
+        server.close()
+
+
+# -----------------------------------------------------------------------------
+# score / score_batch / get_reward_fn
+
+def test_score_normalises_return_types():
+    row = {"uid": "r1"}
+    assert score(lambda r, row, t: 1, "x", row, False) == Reward(1.0)
+    assert score(lambda r, row, t: True, "x", row, False) == Reward(1.0)
+    assert score(lambda r, row, t: {"score": 0.5, "feedback": "meh"}, "x", row, False) == Reward(0.5, "meh")
+    assert score(lambda r, row, t: Reward(0.25, "fb"), "x", row, False) == Reward(0.25, "fb")
+    # a truncated response always carries the truncation feedback, also from user functions
+    assert score(lambda r, row, t: 1.0, "x", row, True) == Reward(1.0, TRUNCATION_FEEDBACK)
+    assert score(lambda r, row, t: {"score": 0, "feedback": "bad"}, "x", row, True).feedback == \
+        TRUNCATION_FEEDBACK + "\n\nbad"
+
+
+def test_score_raising_function_is_contained():
+    def broken(response, row, truncated):
+        return 1 / 0
+
+    r = score(broken, "x", {"uid": "boom"}, False)
+    assert r.score == 0.0 and r.feedback == ""
+    assert r.error.startswith("ZeroDivisionError: division by zero") and "boom" in r.error
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), "1.0", None, [1.0], {"feedback": "no score"}])
+def test_score_bad_values_are_errors(value):
+    r = score(lambda resp, row, t: value, "x", {"uid": "u-bad"}, False)
+    assert r.score == 0.0 and r.feedback == "" and "u-bad" in r.error
+
+
+def test_score_batch_order_and_lengths():
+    fn = get_reward_fn("math")
+    rows = [{"uid": str(i), "answer": str(i)} for i in range(20)]
+    out = score_batch(fn, [f"Answer: {i if i % 3 else -1}" for i in range(20)], rows, [False] * 20, workers=4)
+    assert [r.score for r in out] == [0.0 if i % 3 == 0 else 1.0 for i in range(20)]
+    with pytest.raises(ValueError):
+        score_batch(fn, ["a"], rows, [False])
+
+
+def test_get_reward_fn_builtins_and_modules():
+    assert get_reward_fn("math") is math_reward
+    assert get_reward_fn("strops") is strops_reward
+    assert get_reward_fn("code") is code_reward
+    assert get_reward_fn("mc") is mc_reward
+    assert get_reward_fn("feedback.math:math_reward") is math_reward
+
+
+def test_get_reward_fn_from_file(tmp_path, monkeypatch):
+    (tmp_path / "rewards").mkdir()
+    (tmp_path / "rewards" / "my_reward.py").write_text(
+        "from dataclasses import dataclass\n\n"
+        "@dataclass\nclass Cfg:\n    bonus: float = 0.5\n\n"
+        "def length_reward(response, row, truncated):\n"
+        "    return {'score': len(response) / 10 + Cfg().bonus, 'feedback': 'be longer'}\n"
+        "NOT_CALLABLE = 3\n"
+        "def broken(response, row, truncated):\n    raise RuntimeError('user bug')\n")
+    monkeypatch.chdir(tmp_path)
+    fn = get_reward_fn("rewards/my_reward.py:length_reward")
+    assert score(fn, "abcde", {"uid": "f"}, False) == Reward(1.0, "be longer")
+    fn = get_reward_fn(str(tmp_path / "rewards" / "my_reward.py") + ":broken")
+    r = score(fn, "x", {"uid": "f2"}, False)
+    assert r.score == 0.0 and "RuntimeError: user bug" in r.error and "my_reward.py" in r.error
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("nope", "unknown reward function 'nope'"),
+    ("no_such_module_xyz:fn", "cannot import reward function 'no_such_module_xyz:fn'"),
+    ("missing/file.py:fn", "cannot import reward function 'missing/file.py:fn'"),
+    ("feedback.math:no_such_fn", "has no attribute 'no_such_fn'"),
+    ("os:sep", "is not callable"),
+])
+def test_get_reward_fn_bad_specs(spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        get_reward_fn(spec)
+
+
+def test_get_reward_fn_broken_file(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(:\n")
+    with pytest.raises(ValueError, match=r"cannot import reward function .*bad\.py:f.*SyntaxError"):
+        get_reward_fn(f"{bad}:f")
