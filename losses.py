@@ -1,0 +1,725 @@
+"""
+Loss functions for SDPO, GRPO, GSPO, DPO and GAD, as pure functions of tensors.
+
+The contract for every formula, default and edge case is /work/shared/SPEC.md
+(sections 3, 4 and 6); section numbers in the docstrings below refer to it.
+Shape letters: B sequences, L response positions, V vocabulary, K top-K size,
+S a support size (V, K or K+1), H hidden size, N flattened tokens, P pairs/prompts.
+
+Nothing here reads configs, logs, or touches devices; callers pass tensors and
+plain numbers and get tensors back.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: bounds ratios without touching normal values
+TAIL_LOGSUMEXP_MAX = -1e-7  # keeps log(1 - sum p) finite when the top-K holds ~all mass
+K3_VALUE_CLAMP = 10.0
+AGGREGATION_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "abs", "k2", "k3")
+DPO_KINDS = ("sigmoid", "ipo", "hinge", "robust")
+
+# -----------------------------------------------------------------------------
+# log-probs and entropy
+
+
+def token_logprobs(logits, token_ids, temperature=1.0):
+    """
+    Log-probability of the given tokens: log_softmax(logits / temperature)[token_ids].
+
+    logits [..., V], token_ids [...] (int64) -> [...] in the logits' dtype.
+    Written as gather minus logsumexp so that no second [..., V] log-softmax tensor is
+    kept for backward. Use the same temperature as the sampler (SPEC section 3).
+    """
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits, temperature=1.0):
+    """
+    Entropy of softmax(logits / temperature) per position: H = -sum_v p_v log p_v.
+
+    logits [..., V] -> [...]. Entries with logit -inf (p = 0) contribute exactly 0.
+    """
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    p = logp.exp()
+    # 0 * -inf would be NaN (and so would its gradient), so zero the log first
+    logp = logp.masked_fill(p == 0, 0.0)
+    return -(p * logp).sum(-1)
+
+
+# -----------------------------------------------------------------------------
+# SDPO distillation (SPEC section 3)
+
+
+def _kl_from_logprobs(logp, logq):
+    """KL(P||Q) = sum_s p_s (log p_s - log q_s) over the last dim; p_s = 0 terms are 0."""
+    p = logp.exp()
+    # where p == 0 the difference may be -inf - x; masking it keeps value and grad finite
+    diff = (logp - logq).masked_fill(p == 0, 0.0)
+    return (p * diff).sum(-1)
+
+
+def sdpo_divergence(student_logprobs, teacher_logprobs, alpha):
+    """
+    Per-position divergence between student S and teacher T over a support (last dim).
+
+        alpha = 0      forward KL   KL(T||S) = sum_s e^T (T - S)
+        alpha = 1      reverse KL   KL(S||T) = sum_s e^S (S - T)
+        0 < alpha < 1  generalized JSD:
+                       M = logsumexp(log(1-alpha) + S, log(alpha) + T)
+                       loss = (1-alpha) KL(S||M) + alpha KL(T||M)
+
+    student_logprobs, teacher_logprobs [..., S] log-probs over the same support (full
+    vocab, or top-K plus tail) -> [...] (e.g. [B, L]). alpha=0.5 is the textbook
+    Jensen-Shannon divergence. The teacher carries no gradient (detached here).
+    """
+    teacher_logprobs = teacher_logprobs.detach()
+    if alpha == 0.0:
+        return _kl_from_logprobs(teacher_logprobs, student_logprobs)
+    if alpha == 1.0:
+        return _kl_from_logprobs(student_logprobs, teacher_logprobs)
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    # an id with zero mass on both sides would make the mixture -inf and its logsumexp
+    # gradient NaN; a finite floor (gradient-free) keeps it at exactly zero weight
+    floor = torch.finfo(student_logprobs.dtype).min
+    weighted_student = student_logprobs.clamp(min=floor) + math.log(1.0 - alpha)
+    weighted_teacher = teacher_logprobs.clamp(min=floor) + math.log(alpha)
+    mixture_logprobs = torch.logsumexp(torch.stack([weighted_student, weighted_teacher]), dim=0)
+    return (1.0 - alpha) * _kl_from_logprobs(student_logprobs, mixture_logprobs) + alpha * _kl_from_logprobs(
+        teacher_logprobs, mixture_logprobs
+    )
+
+
+def _support_logprobs(top_logits, full_logsumexp, add_tail):
+    """
+    Top-K logits [..., K] and the full-vocab logsumexp [..., 1] -> support log-probs.
+
+    With add_tail: [..., K+1], the last entry is log(1 - sum_k p_k) = log(-expm1(ls)),
+    ls = logsumexp of the top-K log-probs clamped <= -1e-7 (so the tail stays finite
+    when the top-K hold all the mass). Without: [..., K], renormalised over the K ids
+    (the full logsumexp cancels then).
+    """
+    top_logprobs = top_logits - full_logsumexp
+    if not add_tail:
+        return top_logprobs - torch.logsumexp(top_logprobs, dim=-1, keepdim=True)
+    top_mass_log = torch.logsumexp(top_logprobs, dim=-1, keepdim=True).clamp(max=TAIL_LOGSUMEXP_MAX)
+    tail_logprob = torch.log(-torch.expm1(top_mass_log))
+    return torch.cat([top_logprobs, tail_logprob], dim=-1)
+
+
+def topk_with_tail(student_logits, teacher_logits, k, add_tail=True, temperature=1.0):
+    """
+    Restrict student and teacher to the student's top-K ids per position (SPEC sec. 3).
+
+    student_logits, teacher_logits [..., V] (raw logits; divided by temperature here).
+    Returns (student_support_logprobs, teacher_support_logprobs, topk_ids):
+      support log-probs [..., K+1] with add_tail (top-K log-probs normalised over the
+      full vocab, then the tail entry), [..., K] without (renormalised over the K ids);
+      topk_ids [..., K] int64, chosen by the student only.
+    The student's gradient flows through its top-K logits and its full logsumexp; the
+    teacher is detached. Pass full-vocab log-probs straight to sdpo_divergence for the
+    full-logit mode instead.
+    """
+    if temperature != 1.0:
+        student_logits = student_logits / temperature
+        teacher_logits = teacher_logits.detach() / temperature
+    teacher_logits = teacher_logits.detach()
+    topk_ids = student_logits.detach().topk(k, dim=-1).indices
+    student_support = _support_logprobs(
+        student_logits.gather(-1, topk_ids), torch.logsumexp(student_logits, dim=-1, keepdim=True), add_tail
+    )
+    teacher_support = _support_logprobs(
+        teacher_logits.gather(-1, topk_ids), torch.logsumexp(teacher_logits, dim=-1, keepdim=True), add_tail
+    )
+    return student_support, teacher_support, topk_ids
+
+
+def sdpo_token_loss(student_token_logprobs, teacher_token_logprobs):
+    """
+    Token-level SDPO (sampled token only, reverse KL only), per token [B, L]:
+
+        loss_t = (S_tok - T_tok).detach() * S_tok
+
+    A REINFORCE surrogate with advantage T_tok - S_tok: its gradient is
+    -(T_tok - S_tok) * grad S_tok, and its expectation under the student is the
+    gradient of KL(S||T).
+    """
+    return (student_token_logprobs - teacher_token_logprobs).detach() * student_token_logprobs
+
+
+# -----------------------------------------------------------------------------
+# importance weights and advantages
+
+
+def _masked_sequence_mean(values, mask):
+    """values, mask [B, L] -> [B] mean over masked positions (0 for empty masks)."""
+    mask = mask.to(values.dtype)
+    total = (values.masked_fill(mask == 0, 0.0) * mask).sum(-1)
+    return total / mask.sum(-1).clamp(min=1.0)
+
+
+def importance_weights(logprobs, old_logprobs, cap, level="token", mask=None, sequence_reduction="mean"):
+    """
+    Truncated importance weights, always detached (SPEC section 3).
+
+        token:    w_t = min(exp(clamp(logp_t - old_t, -20, 20)), cap)          [B, L]
+        sequence: w_i = min(exp(clamp(mean_t (logp_t - old_t), -20, 20)), cap)
+                  over the masked tokens of sequence i, broadcast to [B, L]
+
+    logprobs, old_logprobs [B, L]; mask [B, L] is required for level="sequence".
+    For the SDPO IS clip pass (S_tok, old_tok); for rollout correction pass
+    (old_tok, rollout_tok).
+    Sequence level uses the *mean* log ratio by default (SPEC section 9, "sequence
+    ratios as means not sums"): a sum grows with length, so long responses would sit
+    at the cap or near 0 whatever their per-token mismatch. sequence_reduction="sum"
+    gives SPEC section 3's summed form (the reference implementation's) if wanted.
+    A sequence with an empty mask gets weight 1. Masked positions are not zeroed here:
+    multiply by the mask (or let aggregate do it).
+    """
+    log_ratio = (logprobs - old_logprobs).detach()
+    if level == "token":
+        pass
+    elif level == "sequence":
+        if mask is None:
+            raise ValueError("level='sequence' needs mask")
+        if sequence_reduction == "mean":
+            seq_log_ratio = _masked_sequence_mean(log_ratio, mask)
+        elif sequence_reduction == "sum":
+            seq_log_ratio = (log_ratio.masked_fill(mask == 0, 0.0) * mask.to(log_ratio.dtype)).sum(-1)
+        else:
+            raise ValueError(f"unknown sequence_reduction {sequence_reduction!r}")
+        log_ratio = seq_log_ratio.unsqueeze(-1).expand_as(logprobs)
+    else:
+        raise ValueError(f"unknown level {level!r}")
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=cap)
+
+
+def grpo_advantages(rewards, group_ids, norm_by_std=True, eps=1e-6):
+    """
+    GRPO advantage per sample (SPEC section 6):
+
+        A_i = (r_i - mean_g) / (std_g + eps)   (unbiased std over the group g of i)
+        A_i =  r_i - mean_g                    (norm_by_std=False, Dr. GRPO)
+
+    rewards [N] float; group_ids [N] int tensor, or any sequence of hashables (e.g.
+    prompt uids) -> [N], detached. A group of one has no std and no baseline: its
+    advantage is 0 (never NaN). Broadcast to tokens with A[:, None].
+    """
+    rewards = rewards.detach()
+    if not torch.is_tensor(group_ids):
+        index_of = {}
+        group_ids = torch.tensor([index_of.setdefault(g, len(index_of)) for g in group_ids], dtype=torch.long)
+    _, group_index = torch.unique(group_ids.to(rewards.device), return_inverse=True)
+    num_groups = int(group_index.max()) + 1 if group_index.numel() else 0
+    counts = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device).index_add_(
+        0, group_index, torch.ones_like(rewards)
+    )
+    sums = torch.zeros_like(counts).index_add_(0, group_index, rewards)
+    centred = rewards - (sums / counts)[group_index]
+    if not norm_by_std:
+        return centred
+    squares = torch.zeros_like(counts).index_add_(0, group_index, centred**2)
+    # singletons: centred is exactly 0, and a 0 std makes the advantage 0 / eps = 0
+    std = torch.where(counts > 1, squares / (counts - 1).clamp(min=1), torch.zeros_like(counts)).sqrt()
+    return centred / (std[group_index] + eps)
+
+
+def hybrid_advantages(grpo_adv, teacher_token_logprobs, student_token_logprobs, lam):
+    """
+    lambda-hybrid per-token advantage (paper section 4.5, SPEC section 6):
+
+        A_t = lam * A_GRPO + (1 - lam) * (T_tok - S_tok)
+
+    grpo_adv [B] (or [B, L]), token log-probs [B, L] -> [B, L], detached.
+    """
+    if grpo_adv.dim() == teacher_token_logprobs.dim() - 1:
+        grpo_adv = grpo_adv.unsqueeze(-1)
+    sdpo_adv = teacher_token_logprobs - student_token_logprobs
+    return (lam * grpo_adv + (1.0 - lam) * sdpo_adv).detach()
+
+
+# -----------------------------------------------------------------------------
+# policy-gradient surrogates
+
+
+def _clipped_surrogate(ratio, advantages, eps_low, eps_high):
+    """max(-A r, -A clip(r, 1-eps_low, 1+eps_high)) and where the clip stops the gradient."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    ratio = ratio.detach()
+    is_clipped = ((advantages > 0) & (ratio > 1.0 + eps_high)) | ((advantages < 0) & (ratio < 1.0 - eps_low))
+    return loss, is_clipped
+
+
+def _broadcast_advantages(advantages, like):
+    return advantages.unsqueeze(-1) if advantages.dim() == like.dim() - 1 else advantages
+
+
+def ppo_clip_loss(logprobs, old_logprobs, advantages, eps_low=0.2, eps_high=0.2):
+    """
+    PPO clipped surrogate per token (GRPO/DAPO, SPEC section 6):
+
+        ratio_t = exp(logp_t - old_t)             (log ratio clamped to +-20)
+        loss_t  = max(-A_t ratio_t, -A_t clip(ratio_t, 1-eps_low, 1+eps_high))
+
+    logprobs, old_logprobs [B, L]; advantages [B] or [B, L] (detached here).
+    Returns (loss [B, L], is_clipped [B, L] bool): is_clipped marks tokens where the
+    clipped branch is active, i.e. whose gradient is 0 (A>0 and ratio>1+eps_high, or
+    A<0 and ratio<1-eps_low). clip fraction = aggregate(is_clipped.float(), mask, ...).
+    """
+    advantages = _broadcast_advantages(advantages.detach(), logprobs)
+    log_ratio = (logprobs - old_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return _clipped_surrogate(torch.exp(log_ratio), advantages, eps_low, eps_high)
+
+
+def gspo_loss(logprobs, old_logprobs, advantages, mask, eps_low=3e-4, eps_high=4e-4):
+    """
+    GSPO sequence-level clipped surrogate in token form (SPEC section 6):
+
+        s_i     = exp(mean_t (logp_t - old_t))       masked mean over sequence i
+        ratio_t = exp(logp_t - sg(logp_t) + sg(log s_i))   (value s_i, grad s_i * grad logp_t)
+        loss_t  = max(-A_i ratio_t, -A_i clip(ratio_t, 1-eps_low, 1+eps_high))
+
+    logprobs, old_logprobs, mask [B, L]; advantages [B] or [B, L] -> (loss [B, L],
+    is_clipped [B, L] bool) as in ppo_clip_loss. Aggregate with seq-mean-token-mean,
+    which makes the gradient that of s_i times the sequence advantage.
+    """
+    advantages = _broadcast_advantages(advantages.detach(), logprobs)
+    seq_log_ratio = _masked_sequence_mean(logprobs.detach() - old_logprobs.detach(), mask)
+    seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).unsqueeze(-1)
+    ratio = torch.exp(logprobs - logprobs.detach() + seq_log_ratio)
+    return _clipped_surrogate(ratio, advantages, eps_low, eps_high)
+
+
+# -----------------------------------------------------------------------------
+# KL estimators
+
+
+def kl_estimate(logprobs, ref_logprobs, kind="k3"):
+    """
+    Per-token KL(pi || ref) estimate from sampled tokens, d = logp - ref (SPEC sec. 6):
+
+        k1   d
+        abs  |d|
+        k2   d^2 / 2                     ("mse")
+        k3   exp(-d) + d - 1             ("low_var_kl"; -d clamped to +-20, value to +-10)
+        "<kind>+"  value of <kind>, gradient of k2: k2 + sg(value - k2)
+
+    logprobs, ref_logprobs [...] -> [...]. The reference side is detached. k3 is >= 0.
+    The "+" forms give an unbiased-gradient loss term (k2's gradient is that of the
+    KL itself in expectation) while still logging the named estimator's value.
+    """
+    aliases = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+    straight_through = kind.endswith("+")
+    base = kind[:-1] if straight_through else kind
+    base = aliases.get(base, base)
+    log_ratio = logprobs - ref_logprobs.detach()
+    if base == "k1":
+        value = log_ratio
+    elif base == "abs":
+        value = log_ratio.abs()
+    elif base == "k2":
+        value = 0.5 * log_ratio.square()
+    elif base == "k3":
+        neg_log_ratio = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        value = (torch.exp(neg_log_ratio) - neg_log_ratio - 1.0).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
+    else:
+        raise ValueError(f"unknown KL estimator {kind!r}")
+    if not straight_through:
+        return value
+    k2 = 0.5 * log_ratio.square()
+    return k2 + (value - k2).detach()
+
+
+# -----------------------------------------------------------------------------
+# DPO and GAD
+
+
+def dpo_loss(
+    policy_chosen,
+    policy_rejected,
+    ref_chosen=None,
+    ref_rejected=None,
+    beta=0.1,
+    kind="sigmoid",
+    label_smoothing=0.0,
+    reference_free=False,
+):
+    """
+    DPO family per pair (SPEC section 6). Inputs [P]: summed response log-probs of the
+    chosen / rejected responses under the policy and the reference.
+
+        logits = (pi_c - pi_r) - (ref_c - ref_r)        (ref term dropped if reference_free)
+        sigmoid  -(1-eps) logsigmoid(beta logits) - eps logsigmoid(-beta logits)
+        ipo      (logits - 1/(2 beta))^2
+        hinge    relu(1 - beta logits)
+        robust   (-(1-eps) logsigmoid(beta logits) + eps logsigmoid(-beta logits)) / (1 - 2 eps)
+
+    eps = label_smoothing. For IPO, TRL passes length-normalised (mean) log-probs:
+    that is the caller's choice of inputs. Returns (losses [P], chosen_rewards [P],
+    rejected_rewards [P]) with rewards = beta * (pi - ref), detached, for logging.
+    """
+    policy_margin = policy_chosen - policy_rejected
+    if reference_free:
+        ref_margin = torch.zeros_like(policy_margin)
+        ref_chosen = torch.zeros_like(policy_chosen) if ref_chosen is None else ref_chosen
+        ref_rejected = torch.zeros_like(policy_rejected) if ref_rejected is None else ref_rejected
+    else:
+        if ref_chosen is None or ref_rejected is None:
+            raise ValueError("ref_chosen and ref_rejected are required unless reference_free")
+        ref_margin = ref_chosen - ref_rejected
+    logits = policy_margin - ref_margin.detach()
+    eps = label_smoothing
+    if kind == "sigmoid":
+        losses = -(1.0 - eps) * F.logsigmoid(beta * logits) - eps * F.logsigmoid(-beta * logits)
+    elif kind == "ipo":
+        losses = (logits - 1.0 / (2.0 * beta)) ** 2
+    elif kind == "hinge":
+        losses = torch.relu(1.0 - beta * logits)
+    elif kind == "robust":
+        losses = (-(1.0 - eps) * F.logsigmoid(beta * logits) + eps * F.logsigmoid(-beta * logits)) / (1.0 - 2.0 * eps)
+    else:
+        raise ValueError(f"unknown DPO kind {kind!r}")
+    chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
+    rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
+    return losses, chosen_rewards, rejected_rewards
+
+
+def discriminator_loss(teacher_scores, student_scores):
+    """
+    GAD discriminator Bradley-Terry loss (SPEC section 6), each teacher response paired
+    with every student sample of its prompt:
+
+        loss = mean_{p, j} -logsigmoid(D_teacher[p] - D_student[p, j])
+        accuracy = mean_{p, j} [D_teacher[p] > D_student[p, j]]   (detached)
+
+    teacher_scores [P]; student_scores [P, n] (n samples per prompt) or [P] (one each).
+    Returns (loss scalar, accuracy scalar).
+    """
+    if student_scores.dim() == teacher_scores.dim() + 1:
+        teacher_scores = teacher_scores.unsqueeze(-1)
+    score_gap = teacher_scores - student_scores
+    loss = -F.logsigmoid(score_gap).mean()
+    accuracy = (score_gap.detach() > 0).to(score_gap.dtype).mean()
+    return loss, accuracy
+
+
+# -----------------------------------------------------------------------------
+# aggregation (SPEC section 4)
+
+
+def global_counts(mask):
+    """
+    mask [B, L] -> (num_tokens, num_sequences) as 0-dim float tensors: the number of
+    masked tokens and of sequences with at least one masked token. Sum (all-reduce)
+    these over all micro-batches and ranks of an optimizer step and pass them to
+    aggregate as global_tokens / global_sequences.
+    """
+    mask = mask.float()
+    return mask.sum(), (mask.sum(-1) > 0).float().sum()
+
+
+def aggregate(per_token_loss, mask, mode, global_tokens=None, global_sequences=None, max_len=None):
+    """
+    Reduce a per-token loss [B, L] under a 0/1 mask [B, L] to a scalar (SPEC section 4):
+
+        token-mean               sum(loss * mask) / num_tokens
+        seq-mean-token-sum       sum_i (sum_t loss_it mask_it) / num_sequences
+        seq-mean-token-mean      sum_i (sum_t loss_it mask_it / n_i) / num_sequences
+        seq-mean-token-sum-norm  sum(loss * mask) / (num_sequences * max_len)   (Dr. GRPO)
+
+    num_tokens / num_sequences default to this batch's counts (global_counts(mask)); pass
+    the optimizer step's global counts instead and the sum of the micro-batch (and rank)
+    results equals the full-batch value, so the gradient does not depend on how the
+    batch is split. Sequences with an empty mask do not count in the seq-mean modes
+    (their loss is 0 anyway). max_len defaults to L, but micro-batches are padded
+    differently, so pass the global max response length for seq-mean-token-sum-norm.
+    Masked positions may hold inf/NaN (e.g. padding); they are dropped without
+    poisoning the gradient. With nothing unmasked the result is 0, with a gradient path.
+    """
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"unknown aggregation mode {mode!r}")
+    mask = mask.to(per_token_loss.dtype)
+    masked_loss = per_token_loss.masked_fill(mask == 0, 0.0) * mask
+    local_tokens, local_sequences = global_counts(mask)
+    num_tokens = local_tokens if global_tokens is None else global_tokens
+    num_sequences = local_sequences if global_sequences is None else global_sequences
+    # the counts are 0 only when every mask is empty and the numerator is exactly 0, so
+    # clamping to 1 returns 0 (not 0/0) and keeps the graph attached to the loss
+    num_tokens = torch.as_tensor(num_tokens, dtype=mask.dtype, device=mask.device).clamp(min=1.0)
+    num_sequences = torch.as_tensor(num_sequences, dtype=mask.dtype, device=mask.device).clamp(min=1.0)
+    if mode == "token-mean":
+        return masked_loss.sum() / num_tokens
+    if mode == "seq-mean-token-sum":
+        return masked_loss.sum() / num_sequences
+    if mode == "seq-mean-token-mean":
+        sequence_means = masked_loss.sum(-1) / mask.sum(-1).clamp(min=1.0)
+        return sequence_means.sum() / num_sequences
+    max_len = mask.shape[-1] if max_len is None else max_len
+    return masked_loss.sum() / (num_sequences * max(max_len, 1))
+
+
+# -----------------------------------------------------------------------------
+# low-memory top-K distillation straight from hidden states
+#
+# Each chunk of rows gets its logits written into one reused [chunk_size, V] buffer per
+# model (fresh multi-GB allocations are paid in page faults on every step on CPU, and
+# in allocator churn on GPU), and every [n, V] operation after the matmul is in place.
+
+
+def _logits_into(buffer, hidden, weight, temperature, low_precision_buffer, shift=None):
+    """
+    buffer[:n] <- hidden [n, H] @ weight [V, H]^T / temperature (- shift [n, 1]), in
+    float32 or float64. The shift is folded into the matmul where the dtype allows.
+    """
+    n = hidden.shape[0]
+    if low_precision_buffer is None and shift is not None:
+        return torch.addmm(-shift, hidden, weight.T, alpha=1.0 / temperature, out=buffer[:n])
+    if low_precision_buffer is None:
+        logits = torch.mm(hidden, weight.T, out=buffer[:n])
+    else:  # bf16/fp16 matmul, then upcast: logsumexp over 150k entries in bf16 is too coarse
+        logits = buffer[:n].copy_(torch.mm(hidden, weight.T, out=low_precision_buffer[:n]))
+    if temperature != 1.0:
+        logits.div_(temperature)
+    if shift is not None:
+        logits.sub_(shift)
+    return logits
+
+
+def _exp_shifted_(logits, row_max=None):
+    """
+    In place: logits [n, V] <- exp(logits - rowmax). Returns (logsumexp [n, 1], row sums
+    [n, 1]); softmax = logits / row sums afterwards.
+    """
+    row_max = logits.amax(-1, keepdim=True) if row_max is None else row_max
+    row_max = row_max.masked_fill(torch.isinf(row_max), 0.0)  # all -inf rows: lse -inf, not NaN
+    row_sum = logits.sub_(row_max).exp_().sum(-1, keepdim=True)
+    return row_max + row_sum.log(), row_sum
+
+
+def _support_grads(student_top, student_lse, teacher_support, alpha, add_tail, grad_losses):
+    """
+    Divergence on one chunk's small supports, and the gradient of sum(grad_losses * loss)
+    w.r.t. the student's top-K logits [n, K] and full logsumexp [n, 1].
+    Returns (loss [n], grad_top [n, K], grad_lse [n, 1]).
+    """
+    with torch.enable_grad():
+        student_top = student_top.detach().requires_grad_(True)
+        student_lse = student_lse.detach().requires_grad_(True)
+        loss = sdpo_divergence(_support_logprobs(student_top, student_lse, add_tail), teacher_support, alpha)
+        grad_top, grad_lse = torch.autograd.grad(loss, (student_top, student_lse), grad_losses)
+    return loss.detach(), grad_top, grad_lse
+
+
+def _backprop_chunk(softmax_scaled, ids, grad_top, temperature, rows, hidden, weight, grads, low_precision_buffer):
+    """
+    Chain one chunk's support gradients to the inputs. softmax_scaled [n, V] holds
+    softmax(z) * grad_lse already (the logsumexp's gradient), the top-K ids add grad_top,
+    and z = raw / temperature scales all by 1/temperature. Then through
+    logits = hidden @ weight^T: grad_hidden[rows] = G @ W, grad_weight += G^T @ hidden.
+    """
+    grad_logits = softmax_scaled.scatter_add_(-1, ids, grad_top)
+    if temperature != 1.0:
+        grad_logits.div_(temperature)
+    grad_hidden, grad_weight, weight_scratch = grads
+    if low_precision_buffer is not None:
+        grad_logits = low_precision_buffer[: grad_logits.shape[0]].copy_(grad_logits)
+    if grad_hidden is not None:
+        grad_hidden[rows] = grad_logits @ weight
+    if grad_weight is None:
+        return
+    if weight_scratch is None:
+        grad_weight.addmm_(grad_logits.T, hidden[rows])
+    else:  # low precision: matmul in the weight dtype, accumulate over chunks in float32
+        grad_weight.add_(torch.mm(grad_logits.T, hidden[rows], out=weight_scratch))
+
+
+class _TopKDistillFromHidden(torch.autograd.Function):
+    """
+    Chunked top-K SDPO loss; see sdpo_topk_loss_from_hidden.
+
+    Per-token mode (token_weights is None): forward keeps only the top-K ids and logits
+    [N, K], the student's logsumexp [N, 1] and the teacher's support log-probs [N, K(+1)];
+    backward re-runs each chunk's student matmul, because the weight gradient needs the
+    [n, V] logit gradient scaled by a grad_output that forward cannot know.
+    Weighted mode: the weights are known in forward, so forward also builds both
+    gradients and backward only scales them by the scalar grad_output.
+    """
+
+    @staticmethod
+    def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, token_weights,
+                k, alpha, add_tail, temperature, chunk_size, teacher_mix):
+        num_tokens = student_hidden.shape[0]
+        work_dtype = torch.promote_types(student_hidden.dtype, torch.float32)
+        new = dict(device=student_hidden.device)
+        student_buffer, low_precision_buffer = _chunk_buffers(student_hidden, student_weight, chunk_size, work_dtype)
+        teacher_buffer = torch.empty_like(student_buffer)
+        weighted = token_weights is not None
+        if weighted:
+            grads = _new_grads(ctx, student_hidden, student_weight, work_dtype)
+        else:
+            topk_ids = torch.empty(num_tokens, k, dtype=torch.long, **new)
+            student_tops = torch.empty(num_tokens, k, dtype=work_dtype, **new)
+            teacher_supports = torch.empty(num_tokens, k + 1 if add_tail else k, dtype=work_dtype, **new)
+            student_lses = torch.empty(num_tokens, 1, dtype=work_dtype, **new)
+        losses = torch.empty(num_tokens, dtype=work_dtype, **new)
+
+        for start in range(0, num_tokens, chunk_size):
+            rows = slice(start, min(start + chunk_size, num_tokens))
+            student_logits = _logits_into(
+                student_buffer, student_hidden[rows], student_weight, temperature, low_precision_buffer
+            )
+            student_top, ids = student_logits.topk(k, dim=-1)
+            teacher_logits = _logits_into(
+                teacher_buffer, teacher_hidden[rows], teacher_weight, temperature, low_precision_buffer
+            )
+            if teacher_mix:  # trust-region teacher: lerp(ref, student, r), student side detached
+                teacher_logits.lerp_(student_logits, teacher_mix)
+            teacher_top = teacher_logits.gather(-1, ids)
+            teacher_support = _support_logprobs(teacher_top, _exp_shifted_(teacher_logits)[0], add_tail)
+            student_lse, student_row_sum = _exp_shifted_(student_logits, row_max=student_top[:, :1])
+            if not weighted:
+                student_support = _support_logprobs(student_top, student_lse, add_tail)
+                losses[rows] = sdpo_divergence(student_support, teacher_support, alpha)
+                topk_ids[rows], student_tops[rows], student_lses[rows] = ids, student_top, student_lse
+                teacher_supports[rows] = teacher_support
+                continue
+            losses[rows], grad_top, grad_lse = _support_grads(
+                student_top, student_lse, teacher_support, alpha, add_tail, token_weights[rows].to(work_dtype)
+            )
+            softmax_scaled = student_logits.mul_(grad_lse / student_row_sum)
+            _backprop_chunk(softmax_scaled, ids, grad_top, temperature, rows, student_hidden, student_weight, grads,
+                            low_precision_buffer)
+
+        ctx.config = (k, alpha, add_tail, temperature, chunk_size, weighted)
+        ctx.input_dtypes = (student_hidden.dtype, student_weight.dtype)
+        ctx.backward_done = False
+        if weighted:
+            ctx.save_for_backward(grads[0], grads[1])
+            return (losses * token_weights.to(work_dtype)).sum()
+        ctx.save_for_backward(student_hidden, student_weight, topk_ids, student_tops, student_lses, teacher_supports)
+        return losses
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        k, alpha, add_tail, temperature, chunk_size, weighted = ctx.config
+        if weighted:
+            # scaled in place to avoid a second [V, H] buffer, so a second backward
+            # through the same graph (retain_graph=True) would be wrong: refuse it
+            if ctx.backward_done:
+                raise RuntimeError("weighted sdpo_topk_loss_from_hidden supports a single backward")
+            ctx.backward_done = True
+            grad_hidden, grad_weight = ctx.saved_tensors
+            grad_hidden = None if grad_hidden is None else grad_hidden.mul_(grad_output)
+            grad_weight = None if grad_weight is None else grad_weight.mul_(grad_output)
+        else:
+            student_hidden, student_weight, topk_ids, student_tops, student_lses, teacher_supports = ctx.saved_tensors
+            num_tokens, work_dtype = student_hidden.shape[0], teacher_supports.dtype
+            grads = _new_grads(ctx, student_hidden, student_weight, work_dtype)
+            student_buffer, low_precision_buffer = _chunk_buffers(student_hidden, student_weight, chunk_size, work_dtype)
+            grad_output = grad_output.to(work_dtype)
+            for start in range(0, num_tokens, chunk_size):
+                rows = slice(start, min(start + chunk_size, num_tokens))
+                ids, student_lse = topk_ids[rows], student_lses[rows]
+                student_logprobs = _logits_into(
+                    student_buffer, student_hidden[rows], student_weight, temperature, low_precision_buffer,
+                    shift=student_lse,
+                )
+                _, grad_top, grad_lse = _support_grads(
+                    student_tops[rows], student_lse, teacher_supports[rows], alpha, add_tail, grad_output[rows]
+                )
+                softmax_scaled = student_logprobs.exp_().mul_(grad_lse)
+                _backprop_chunk(softmax_scaled, ids, grad_top, temperature, rows, student_hidden, student_weight, grads,
+                                low_precision_buffer)
+            grad_hidden, grad_weight = grads[0], grads[1]
+        hidden_dtype, weight_dtype = ctx.input_dtypes
+        grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden_dtype)
+        grad_weight = None if grad_weight is None else grad_weight.to(weight_dtype)
+        return (grad_hidden, grad_weight) + (None,) * 9
+
+
+def _chunk_buffers(student_hidden, student_weight, chunk_size, work_dtype):
+    """A reusable [chunk_size, V] logits buffer in work_dtype, plus one in the input dtype if that is lower."""
+    shape = (min(chunk_size, student_hidden.shape[0]), student_weight.shape[0])
+    buffer = torch.empty(shape, dtype=work_dtype, device=student_hidden.device)
+    if student_hidden.dtype == work_dtype:
+        return buffer, None
+    return buffer, torch.empty(shape, dtype=student_hidden.dtype, device=student_hidden.device)
+
+
+def _new_grads(ctx, student_hidden, student_weight, work_dtype):
+    """(grad_hidden, grad_weight, weight_scratch) buffers for the inputs that need them."""
+    need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_hidden = torch.zeros_like(student_hidden, dtype=work_dtype) if need_hidden_grad else None
+    grad_weight = torch.zeros_like(student_weight, dtype=work_dtype) if need_weight_grad else None
+    low_precision = student_weight.dtype != work_dtype
+    weight_scratch = torch.empty_like(student_weight) if need_weight_grad and low_precision else None
+    return grad_hidden, grad_weight, weight_scratch
+
+
+def sdpo_topk_loss_from_hidden(
+    student_hidden,
+    student_lm_head_weight,
+    teacher_hidden,
+    teacher_lm_head_weight=None,
+    k=100,
+    alpha=0.5,
+    add_tail=True,
+    temperature=1.0,
+    chunk_size=256,
+    teacher_mix=0.0,
+    token_weights=None,
+):
+    """
+    Top-K SDPO divergence computed from hidden states without materialising [N, V]
+    logits. Equals, in value and gradient,
+
+        S, T, _ = topk_with_tail(student_hidden @ W_s^T, teacher_hidden @ W_t^T, k, add_tail, temperature)
+        sdpo_divergence(S, T, alpha)                                       # [N]
+
+    student_hidden [N, H]: final hidden states at the response positions (select them
+    first, e.g. hidden[mask.bool()], so padding costs nothing); student_lm_head_weight
+    W_s [V, H]; teacher_hidden [N, H] and teacher_lm_head_weight W_t [V, H] (an EMA
+    teacher has its own head; None = W_s). No bias term. teacher_mix = r gives the
+    trust-region teacher, teacher logits = lerp(teacher, student.detach(), r). The
+    teacher side never gets a gradient. Logits are computed chunk_size rows at a time in
+    float32 (float64 for float64 inputs); bf16/fp16 inputs get bf16/fp16 matmuls.
+
+    Returns per-token losses [N] (in float32/float64) whose backward accepts any
+    grad_output [N], so the caller may multiply by mask x IS weight / global count and
+    sum. Backward then re-runs the student head chunk by chunk (one extra N*V*H matmul).
+    When token_weights [N] (detached) is given, returns the scalar
+    sum_n token_weights[n] * loss[n] instead, with the gradients built during forward:
+    no recomputation, but the [V, H] weight gradient is held from forward to backward,
+    and only one backward is allowed.
+    Extra memory: two [chunk_size, V] buffers (a third in low precision) plus the
+    gradients, i.e. the [V, H] weight gradient dominates for small chunks.
+    """
+    if teacher_lm_head_weight is None:
+        teacher_lm_head_weight = student_lm_head_weight
+    if token_weights is not None:
+        token_weights = token_weights.detach()
+    return _TopKDistillFromHidden.apply(
+        student_hidden,
+        student_lm_head_weight,
+        teacher_hidden.detach(),
+        teacher_lm_head_weight.detach(),
+        token_weights,
+        k,
+        alpha,
+        add_tail,
+        temperature,
+        chunk_size,
+        teacher_mix,
+    )
