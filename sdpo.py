@@ -1,0 +1,269 @@
+"""
+SDPO teacher contexts: which sibling demonstrates for whom, and the teacher's input ids.
+
+For every rollout the teacher (the same network, an EMA or trust-region copy) scores the
+student's *exact* response ids under a richer prompt: the original question plus a
+successful sibling's response (a "demonstration") and/or the environment's feedback,
+then the instruction "Correctly solve the original question.". The contract is
+/work/shared/SPEC.md section 2; this file only builds token ids, it runs no model.
+
+Choices the spec leaves open, made here:
+- The demonstration text is decoded from the sibling's response *ids* (special tokens
+  dropped), not taken from `response_texts`: the ids are what the teacher scores, and
+  engines differ in whether their text keeps special tokens. `response_texts` is only
+  checked for length. If `<think>`/`</think>` are special tokens in the tokenizer they
+  are kept by the decode, so that thinking removal still finds them.
+- Thinking removal (see strip_thinking): closed `<think>...</think>` blocks go, a leading
+  `...</think>` with no opener goes (templates that open the block in the generation
+  prompt), an unclosed `<think>` runs to the end; if that would leave nothing, the text
+  is kept with only the tags removed (a successful response had its answer in there).
+- Over max_reprompt_len, the demonstration and feedback are cut in the middle at the
+  token level (marked with TRIM_MARKER) and the prompt is rendered again, so the
+  instruction and the generation prompt always survive. Only when even the prompt plus
+  instruction is too long are the ids cut in the middle with the tail protected.
+"""
+
+import re
+import string
+from dataclasses import dataclass
+
+from data import chat_prompt_ids, truncate_middle
+
+THINK_TAGS = ("<think>", "</think>")
+TRIM_MARKER = "\n...\n"  # shows the teacher that text was dropped rather than splicing it silently
+_MAX_FIT_ROUNDS = 8  # re-render rounds when trimming fields; boundary merges need 1-3
+
+
+@dataclass
+class SdpoConfig:
+    """Teacher-context flags (--sdpo.*). Defaults are the ones used in the paper's runs."""
+    success_threshold: float = 0.5  # a rollout is a success when its reward >= this
+    dont_reprompt_on_self_success: bool = True  # a success never demonstrates for itself
+    remove_thinking_from_demonstration: bool = True
+    include_environment_feedback: bool = True
+    environment_feedback_only_without_solution: bool = True  # feedback only when no demonstration
+    reprompt_template: str = "{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n"
+    solution_template: str = "\nCorrect solution:\n\n{successful_previous_attempt}\n\n"
+    feedback_template: str = "\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback_raw}\n\n"
+    max_reprompt_len: int = 10240  # tokens of the teacher prompt (the response comes on top)
+
+
+@dataclass
+class TeacherBatch:
+    """Teacher inputs for one rollout batch, in the batch's order."""
+    input_ids: list[list[int]]  # teacher prompt ids + the student's exact response ids
+    prompt_lens: list[int]  # length of the teacher prompt part of each
+    mask: list[float]  # self_distillation_mask: 1.0 if the sample has a demonstration or used feedback
+    demo_index: list[int | None]  # which sample of the batch served as the demonstration
+    metrics: dict[str, float]  # sdpo/* fractions, see build_teacher_batch
+
+
+# -----------------------------------------------------------------------------
+# text pieces
+
+
+def strip_thinking(text: str) -> str:
+    """Remove `<think>...</think>` blocks (and the whitespace after them) from text.
+
+    A `</think>` with no `<think>` before it means the chat template opened the block in
+    the generation prompt: everything up to it is thinking. An unclosed `<think>` runs to
+    the end. If nothing but whitespace would be left, the answer was inside the thinking
+    (the response was judged a success), so keep the text with only the tags removed.
+    """
+    out = text
+    close = out.find("</think>")
+    if close >= 0 and not (0 <= out.find("<think>") < close):
+        out = out[close + len("</think>"):].lstrip()
+    out = re.sub(r"<think>.*?</think>\s*", "", out, flags=re.DOTALL)
+    if "<think>" in out:
+        out = out[:out.index("<think>")]
+    if not out.strip():
+        out = text.replace("<think>", "").replace("</think>", "").strip()
+    return out
+
+
+def _has_feedback(feedback) -> bool:
+    """Empty (or whitespace-only, or None) feedback counts as no feedback."""
+    return bool(feedback and feedback.strip())
+
+
+def reprompt_text(cfg: SdpoConfig, prompt: str, demonstration: str | None, feedback: str | None) -> str:
+    """The teacher's last user message: the templates filled in (None = field left out)."""
+    solution = "" if demonstration is None else cfg.solution_template.format(successful_previous_attempt=demonstration)
+    fb = "" if feedback is None else cfg.feedback_template.format(feedback_raw=feedback)
+    return cfg.reprompt_template.format(prompt=prompt, solution=solution, feedback=fb)
+
+
+def _instruction(cfg: SdpoConfig) -> str:
+    """The literal text of reprompt_template after its last field: the part never cut."""
+    parts = list(string.Formatter().parse(cfg.reprompt_template))
+    return parts[-1][0] if parts and parts[-1][1] is None else ""
+
+
+# -----------------------------------------------------------------------------
+# tokenisation under a length limit
+
+
+def _tokenize(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool = True) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _water_fill(lens: list[int], budget: int) -> list[int]:
+    """Tokens to keep per field, sum <= budget: short fields stay whole, long ones share the rest."""
+    keeps, left = [0] * len(lens), max(budget, 0)
+    order = sorted(range(len(lens)), key=lambda k: lens[k])
+    for n, k in enumerate(order):
+        keeps[k] = min(lens[k], left // (len(lens) - n))
+        left -= keeps[k]
+    return keeps
+
+
+def _trim_text(tokenizer, ids: list[int], keep: int) -> str:
+    """The text of ids with its middle cut to `keep` tokens, the cut marked by TRIM_MARKER."""
+    if keep >= len(ids):
+        return tokenizer.decode(ids)
+    head = keep // 2
+    return tokenizer.decode(ids[:head]) + TRIM_MARKER + tokenizer.decode(ids[len(ids) - (keep - head):])
+
+
+def _protected_tail(tokenizer, messages: list[dict], text: str, ids: list[int], instruction: str, limit: int) -> int:
+    """How many trailing ids hold the instruction and the generation prompt (or, if those
+    do not fit in limit, the generation prompt alone). +1 covers a token merged across the
+    boundary, as in data.chat_prompt_ids."""
+    pos = text.rfind(instruction.strip()) if instruction.strip() else -1
+    if pos >= 0:
+        tail = len(ids) - len(_tokenize(tokenizer, text[:pos])) + 1
+        if tail < limit:
+            return tail
+    bare = _tokenize(tokenizer, _render(tokenizer, messages, generation_prompt=False))
+    return len(ids) - len(bare) + 1
+
+
+def teacher_prompt_ids(tokenizer, messages: list[dict], demonstration: str | None, feedback: str | None,
+                       cfg: SdpoConfig) -> list[int]:
+    """Token ids of the teacher prompt for one sample, at most cfg.max_reprompt_len long.
+
+    Over the limit, the demonstration and feedback are cut in the middle (the shorter one
+    stays whole if it can; see _water_fill), the prompt re-rendered and re-tokenised until
+    it fits, so the prompt, the instruction and the generation prompt stay intact and
+    the tokenisation stays the one a plain render gives. If the prompt and instruction
+    alone do not fit, the full render is cut in the middle with the instruction and
+    generation prompt protected (data.truncate_middle): the prompt's start and the end of
+    the demonstration/feedback survive.
+    """
+    head, prompt, limit = list(messages[:-1]), messages[-1]["content"], cfg.max_reprompt_len
+
+    def render(demo, fb):
+        return _render(tokenizer, head + [{"role": "user", "content": reprompt_text(cfg, prompt, demo, fb)}])
+
+    full_text = render(demonstration, feedback)
+    ids = _tokenize(tokenizer, full_text)
+    if not limit or len(ids) <= limit:
+        return ids
+    fields = [f for f in (demonstration, feedback) if f is not None]
+    if fields and len(_tokenize(tokenizer, render(None, None))) <= limit:
+        field_ids = [_tokenize(tokenizer, f) for f in fields]
+        budget = sum(len(f) for f in field_ids) - (len(ids) - limit)
+        for _ in range(_MAX_FIT_ROUNDS):
+            if budget < 0:
+                break
+            keeps = _water_fill([len(f) for f in field_ids], budget)
+            texts = [_trim_text(tokenizer, f, k) for f, k in zip(field_ids, keeps)]
+            demo = texts.pop(0) if demonstration is not None else None
+            fb = texts.pop(0) if feedback is not None else None
+            trimmed = _tokenize(tokenizer, render(demo, fb))
+            if len(trimmed) <= limit:
+                return trimmed
+            budget -= len(trimmed) - limit  # the marker and merges at the cut cost a few tokens
+    # Prompt + instruction alone over the limit (or the frames around empty fields are):
+    # cut the middle of the whole render, never the instruction or generation prompt.
+    messages_out = head + [{"role": "user", "content": reprompt_text(cfg, prompt, demonstration, feedback)}]
+    keep_tail = _protected_tail(tokenizer, messages_out, full_text, ids, _instruction(cfg), limit)
+    if keep_tail >= limit:
+        raise ValueError(f"sdpo.max_reprompt_len={limit} cannot hold even the chat template's generation prompt")
+    return truncate_middle(ids, limit, keep_tail=keep_tail)
+
+
+# -----------------------------------------------------------------------------
+# the batch
+
+
+def _decode_demonstration(tokenizer, ids: list[int], keep_ids: set[int], drop_ids: set[int], cfg: SdpoConfig) -> str:
+    """Response text without special tokens (think tags kept if they are special), thinking stripped."""
+    text = tokenizer.decode([t for t in ids if t not in drop_ids or t in keep_ids], skip_special_tokens=False)
+    return strip_thinking(text) if cfg.remove_thinking_from_demonstration else text
+
+
+def build_teacher_batch(tokenizer, rows: list[dict], response_ids: list[list[int]], response_texts: list[str],
+                        rewards: list[float], feedbacks: list[str], cfg: SdpoConfig) -> TeacherBatch:
+    """Teacher inputs, self-distillation mask and metrics for a batch of rollouts (SPEC section 2).
+
+    rows[i] is the prompt row of sample i; samples of the same prompt share rows[i]["uid"]
+    and may come in any order. rewards[i] is sample i's total reward, feedbacks[i] its
+    environment feedback ("" or None = none). Samples with mask 0 get their plain original
+    prompt (same limit) + response, so every sample has a teacher input.
+
+    Metrics (fractions): sdpo/groups_with_success (uids with >= 1 success),
+    sdpo/samples_with_success, sdpo/feedback_available (non-empty feedback),
+    sdpo/feedback_used (feedback put into the teacher context), sdpo/teacher_coverage
+    (samples reprompted = mean of the mask).
+    """
+    n = len(rows)
+    for name, seq in (("response_ids", response_ids), ("response_texts", response_texts),
+                      ("rewards", rewards), ("feedbacks", feedbacks)):
+        if len(seq) != n:
+            raise ValueError(f"build_teacher_batch: {name} has {len(seq)} entries for {n} rows")
+    uids = [row["uid"] for row in rows]
+    success = [float(r) >= cfg.success_threshold for r in rewards]
+
+    # Demonstration = the first success of the group in batch order (not i itself if configured).
+    successes: dict = {}
+    for i, uid in enumerate(uids):
+        successes.setdefault(uid, [])
+        if success[i]:
+            successes[uid].append(i)
+    demo_index = [next((j for j in successes[uid] if not (cfg.dont_reprompt_on_self_success and j == i)), None)
+                  for i, uid in enumerate(uids)]
+    has_fb = [_has_feedback(f) for f in feedbacks]
+    use_fb = [cfg.include_environment_feedback and has_fb[i]
+              and not (cfg.environment_feedback_only_without_solution and demo_index[i] is not None)
+              for i in range(n)]
+    mask = [1.0 if demo_index[i] is not None or use_fb[i] else 0.0 for i in range(n)]
+
+    # Special ids to drop when decoding demonstrations (think tags kept, see module docstring).
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special} | set(tokenizer.all_special_ids)
+    keep_ids = {i for i in special if tokenizer.convert_ids_to_tokens(i) in THINK_TAGS}
+
+    demo_text: dict[int, str] = {}  # sample j -> its demonstration text, decoded once
+    prompt_cache: dict = {}  # (messages, demonstration, feedback) -> teacher prompt ids
+    input_ids, prompt_lens = [], []
+    for i, row in enumerate(rows):
+        j = demo_index[i]
+        if j is not None and j not in demo_text:
+            demo_text[j] = _decode_demonstration(tokenizer, list(response_ids[j]), keep_ids, special, cfg)
+        demo = demo_text[j] if j is not None else None
+        fb = feedbacks[i] if use_fb[i] else None
+        # Siblings sharing a demonstration and no feedback get the same context: tokenise it once.
+        key = (tuple((m["role"], m["content"]) for m in row["messages"]), demo, fb)
+        if key not in prompt_cache:
+            if mask[i]:
+                prompt_cache[key] = teacher_prompt_ids(tokenizer, row["messages"], demo, fb, cfg)
+            else:
+                prompt_cache[key] = chat_prompt_ids(tokenizer, row["messages"], cfg.max_reprompt_len)
+        prompt = prompt_cache[key]
+        input_ids.append(list(prompt) + list(response_ids[i]))  # the student's ids, unchanged
+        prompt_lens.append(len(prompt))
+
+    groups = set(uids)
+    metrics = {
+        "sdpo/groups_with_success": sum(1 for u in groups if successes[u]) / max(len(groups), 1),
+        "sdpo/samples_with_success": sum(success) / max(n, 1),
+        "sdpo/feedback_available": sum(has_fb) / max(n, 1),
+        "sdpo/feedback_used": sum(use_fb) / max(n, 1),
+        "sdpo/teacher_coverage": sum(mask) / max(n, 1),
+    }
+    return TeacherBatch(input_ids=input_ids, prompt_lens=prompt_lens, mask=mask, demo_index=demo_index, metrics=metrics)
