@@ -270,6 +270,33 @@ def pad_left(seqs: list[list[int]], pad_id: int):
     return ids, mask
 
 
+def pack_responses(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu"):
+    """Right-padded batch of prompt+response sequences, and where their responses are.
+
+    Returns input_ids [B, L], attention_mask [B, L], hidden_index [N] (positions in the
+    flattened [B*L] hidden states that predict each response token: one before it),
+    targets [N] (the response tokens), and token_index [N] (positions of those tokens in a
+    [B, R] right-padded response matrix, R = max response length). N = sum(response_lens).
+    """
+    import torch
+    width = max(len(s) for s in seqs)
+    resp_width = max(max(response_lens), 1)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    hidden_index, token_index, targets = [], [], []
+    for b, (s, r) in enumerate(zip(seqs, response_lens)):
+        if r >= len(s):
+            raise ValueError(f"sequence {b}: response length {r} leaves no prompt token (length {len(s)})")
+        ids[b, :len(s)] = torch.tensor(s)
+        mask[b, :len(s)] = 1
+        start = len(s) - r
+        hidden_index += range(b * width + start - 1, b * width + len(s) - 1)
+        token_index += range(b * resp_width, b * resp_width + r)
+        targets += s[start:]
+    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)
+    return ids.to(device), mask.to(device), as_long(hidden_index), as_long(targets), as_long(token_index)
+
+
 # ----------------------------------------------------------------------------------------
 # The tiny default model: a byte-level BPE trained on the tasks' text and a small Qwen2
 # with random weights, written as an ordinary HF directory that transformers and vLLM load.

@@ -109,6 +109,11 @@ class Engine:
         self.rpc_timeout_s = rpc_timeout_s
         self.expected_keys = _checkpoint_keys(model_dir)
         self._sync_dir = None
+        # On CPU, a seeded request caught mid-way through a chunked prefill makes vLLM rewind
+        # its torch.Generator, which CPU generators cannot do ("CPU Generator does not use
+        # offset"): prefill whole prompts instead.
+        cpu_args = {} if torch.cuda.is_available() else {
+            "enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
         t0 = time.perf_counter()
         with _patched_env(env, TORCHRUN_VARS if own_process else ()):
             self.llm = LLM(
@@ -117,6 +122,7 @@ class Engine:
                 # Log-probs after temperature: the ones the sampler actually drew from, which
                 # the trainer reproduces by dividing its logits by the same temperature.
                 logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                **cpu_args,
             )
         self.start_seconds = time.perf_counter() - t0
 
@@ -184,7 +190,7 @@ class Engine:
             weights = [(k, v.detach()) for k, v in state_dict.items()]
             self._call("weight sync", self.llm.collective_rpc, "reload_weights", timeout=self.rpc_timeout_s,
                        kwargs={"weights_iterator": iter(weights)})
-        self._call("prefix cache reset", self.llm.reset_prefix_cache)
+        ok = self._call("prefix cache reset", self.llm.reset_prefix_cache)
         engine_probe = torch.tensor(self.score([probe_ids])[0])
         diff = (engine_probe - trainer_probe_logprobs.detach().float().cpu()).abs().max().item()
         if not diff <= tol:  # NaN fails too

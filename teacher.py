@@ -1,0 +1,97 @@
+"""The SDPO teacher: the policy's own network, regularised (SPEC section 5).
+
+  ema           θ_T ← (1−r)·θ_T + r·θ after every training step, on each rank's own FSDP2
+                shards (no gather), and only when some optimizer step had a finite grad norm
+  frozen        the initial policy (an EMA with r = 0; no optimizer state is ever copied)
+  trust-region  teacher logits = lerp(ref logits, student logits, r), the student term
+                without gradient; the reference is the initial policy and never moves
+  live          the current weights (diverges in the paper; here for the ablation)
+
+The teacher is consumed as final hidden states plus an LM-head weight, so that the loss
+can compute teacher logits chunk by chunk (losses.sdpo_topk_loss_from_hidden). The
+trust-region lerp is exact in that form: lerp of logits over [h_ref, h_student] is one
+matmul of the concatenated hidden states [(1−r)·h_ref, r·h_student] with the
+concatenated heads [W_ref, W_student].
+"""
+import torch
+
+KINDS = ("ema", "frozen", "trust-region", "live")
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 (DTensor) parameter, or the tensor itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def full_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The whole of a possibly sharded parameter (a collective under FSDP2: every rank calls it)."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+class Teacher:
+    """Holds the teacher network (a sharded copy of the initial policy, or none for 'live').
+
+    copy: a module built like the policy (same wrapper, same sharding) holding the initial
+    weights; required for ema, frozen and trust-region.
+    """
+
+    def __init__(self, kind: str, rate: float, copy=None):
+        if kind not in KINDS:
+            raise ValueError(f"unknown teacher {kind!r}; choose from {KINDS}")
+        if kind != "live" and copy is None:
+            raise ValueError(f"the {kind} teacher needs a copy of the initial policy")
+        if kind == "frozen":
+            rate = 0.0
+        self.kind, self.rate, self.copy = kind, rate, copy
+        if copy is not None:
+            copy.requires_grad_(False)
+            copy.eval()
+        self._head = None  # the copy's full LM-head weight, gathered once per update
+
+    @torch.no_grad()
+    def update(self, policy, stepped: bool) -> bool:
+        """EMA step after a training step; skipped unless an optimizer step was taken."""
+        if self.kind != "ema" or not stepped or self.rate == 0.0:
+            return False
+        for teacher_p, student_p in zip(self.copy.parameters(), policy.parameters()):
+            local_tensor(teacher_p).lerp_(local_tensor(student_p).to(teacher_p.dtype), self.rate)
+        self._head = None
+        return True
+
+    def head_weight_source(self):
+        """The copy's LM-head weight, whole (every rank calls this at the same point)."""
+        if self._head is None and self.copy is not None:
+            self._head = full_tensor(self.copy.hf.lm_head.weight).detach()
+        return self._head
+
+    @torch.no_grad()
+    def hidden(self, policy, forward, teacher_seqs, response_lens, micro_batch: int) -> torch.Tensor:
+        """Teacher final hidden states at the response positions of teacher_seqs, [N, H']
+        (H' = 2H for trust-region), computed teacher_micro_batch sequences at a time.
+
+        forward(model, seqs, response_lens, head) runs a model and returns head(hidden, W).
+        """
+        parts = []
+        for i in range(0, len(teacher_seqs), micro_batch):
+            seqs, lens = teacher_seqs[i:i + micro_batch], response_lens[i:i + micro_batch]
+            if self.kind == "live":
+                parts.append(forward(policy, seqs, lens, _hidden_only))
+            elif self.kind == "trust-region":
+                ref = forward(self.copy, seqs, lens, _hidden_only)
+                student = forward(policy, seqs, lens, _hidden_only)
+                parts.append(torch.cat([(1 - self.rate) * ref.float(), self.rate * student.float()], dim=-1))
+            else:
+                parts.append(forward(self.copy, seqs, lens, _hidden_only))
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def head_weight(self, student_weight: torch.Tensor) -> torch.Tensor:
+        """The teacher LM head matching `hidden`, given the student's (whole) head weight."""
+        if self.kind == "live":
+            return student_weight.detach()
+        if self.kind == "trust-region":
+            return torch.cat([self.head_weight_source().float(), student_weight.detach().float()], dim=-1)
+        return self.head_weight_source()
+
+
+def _hidden_only(hidden, weight):
+    return hidden.detach()
