@@ -432,6 +432,7 @@ def microbatch_loss(cfg: Config, policy, teacher: Teacher | None, batch: list[Ro
     response_mask = mat(torch.ones_like(rollout_lp))
     log_ratio = (mat(old_lp) - mat(rollout_lp)) * response_mask
     stats = {
+        "loss_sum": loss.item(),
         "tokens": response_mask.sum().item(),
         "entropy_sum": out["entropy"].sum().item(),
         "mismatch_kl_sum": (losses.kl_estimate(mat(rollout_lp), mat(old_lp), "k3") * response_mask).sum().item(),
@@ -532,7 +533,7 @@ def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
         metrics = rank0_call(rank, world, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))
         logger.log(0, metrics)
 
-    nonfinite_streak = 0
+    nonfinite = [0]  # consecutive optimizer steps skipped for a NaN/inf loss or gradient
     progress = logger.progress(start_step, cfg.train.steps)
     for step in range(start_step, cfg.train.steps):
         t_step = time.perf_counter()
@@ -553,48 +554,8 @@ def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
 
         # 5. update: mini-batches of micro-batches, this rank's share of each
         t0 = time.perf_counter()
-        policy.train()
-        order = list(range(len(rollouts)))
-        random.Random(cfg.train.seed * 1000003 + step).shuffle(order)
-        mini = split_evenly(order, cfg.train.mini_batches)
-        old_logprobs = compute_old_logprobs(cfg, policy, rollouts, pad_id, device, rank, world) \
-            if cfg.train.mini_batches > 1 else None
-        sums, stepped, grad_norms, teacher_seconds = {}, False, [], 0.0
-        for mb_indices in mini:
-            counts = step_counts([rollouts[i] for i in mb_indices], algo)
-            mine = mb_indices[rank::world]
-            micro = [mine[i:i + cfg.train.micro_batch] for i in range(0, len(mine), cfg.train.micro_batch)] or [[]]
-            micro = pad_microbatch_count(micro, mb_indices, cfg.train.micro_batch, world)
-            finite = True
-            for j, idx in enumerate(micro):
-                batch = [rollouts[i] for i in idx]
-                last = j == len(micro) - 1
-                with no_sync_unless(policy, world, last):
-                    if not batch:  # this rank has fewer rollouts: take part with a zero loss
-                        loss, stats = zero_loss(policy, device, pad_id, probe)
-                    else:
-                        loss, stats = microbatch_loss(cfg, policy, teacher, batch, counts, pad_id, device,
-                                                      None if old_logprobs is None else [old_logprobs[i] for i in idx])
-                    finite &= bool(torch.isfinite(loss).item())
-                    (loss * world).backward()  # FSDP2 averages gradients over ranks; the counts are global
-                teacher_seconds += stats.pop("teacher_seconds", 0.0)
-                for k, v in stats.items():
-                    sums[k] = max(sums.get(k, 0.0), v) if k.endswith("_max") else sums.get(k, 0.0) + v
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optim.grad_clip)
-            grad_norm = float(full_tensor(grad_norm)) if hasattr(grad_norm, "full_tensor") else float(grad_norm)
-            grad_norms.append(grad_norm)
-            if finite and math.isfinite(grad_norm):
-                optimizer.step()
-                scheduler.step()
-                stepped = True
-                nonfinite_streak = 0
-            else:
-                nonfinite_streak += 1
-                if nonfinite_streak >= cfg.train.max_nonfinite_steps:
-                    raise FloatingPointError(
-                        f"step {step + 1}: loss or gradient norm not finite for {nonfinite_streak} optimizer steps "
-                        f"in a row (last grad norm {grad_norm}); lower --optim.lr or check the data")
-            optimizer.zero_grad(set_to_none=True)
+        sums, stepped, grad_norms, teacher_seconds = update_policy(
+            cfg, policy, optimizer, scheduler, teacher, rollouts, step, pad_id, device, rank, world, nonfinite)
         metrics["time/train_s"] = time.perf_counter() - t0 - teacher_seconds
         metrics["time/teacher_s"] = teacher_seconds
 
@@ -605,8 +566,7 @@ def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
         if algo != "sft":
             metrics.update(sync())
         # 8. log
-        if algo != "sft":
-            metrics.update(reduce_stats(sums, world, algo))
+        metrics.update(reduce_stats(sums, world, algo, len(grad_norms)))
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["actor/lr"] = scheduler.get_last_lr()[0]
         metrics["time/step_s"] = time.perf_counter() - t_step
@@ -628,6 +588,55 @@ def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
 def engine_dtype(cfg: Config, device) -> str:
     # Never vLLM's "auto": it silently runs a float32 checkpoint in half precision.
     return cfg.rollout.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+
+
+def update_policy(cfg: Config, policy, optimizer, scheduler, teacher, rollouts: list[Rollout], step: int, pad_id: int,
+                  device, rank: int, world: int, nonfinite: list):
+    """One rollout batch's update: cfg.train.mini_batches optimizer steps, each accumulating
+    this rank's micro-batches. Returns (summed stats, whether any step was taken, grad norms,
+    teacher seconds)."""
+    algo = cfg.algo.name
+    policy.train()
+    order = list(range(len(rollouts)))
+    random.Random(cfg.train.seed * 1000003 + step).shuffle(order)
+    old_logprobs = compute_old_logprobs(cfg, policy, rollouts, pad_id, device, rank, world) \
+        if cfg.train.mini_batches > 1 else None
+    sums, stepped, grad_norms, teacher_seconds = {}, False, [], 0.0
+    for mb_indices in split_evenly(order, cfg.train.mini_batches):
+        counts = step_counts([rollouts[i] for i in mb_indices], algo)
+        mine = mb_indices[rank::world]
+        micro = [mine[i:i + cfg.train.micro_batch] for i in range(0, len(mine), cfg.train.micro_batch)]
+        micro = pad_microbatch_count(micro, mb_indices, cfg.train.micro_batch, world)
+        finite = True
+        for j, idx in enumerate(micro):
+            batch = [rollouts[i] for i in idx]
+            with no_sync_unless(policy, world, last=j == len(micro) - 1):
+                if not batch:  # this rank has fewer rollouts: take part with a zero loss
+                    loss, stats = zero_loss(policy, device, pad_id)
+                else:
+                    loss, stats = microbatch_loss(cfg, policy, teacher, batch, counts, pad_id, device,
+                                                  None if old_logprobs is None else [old_logprobs[i] for i in idx])
+                finite &= bool(torch.isfinite(loss).item())
+                (loss * world).backward()  # FSDP2 averages gradients over ranks; the counts are global
+            teacher_seconds += stats.pop("teacher_seconds", 0.0)
+            for k, v in stats.items():
+                sums[k] = max(sums.get(k, 0.0), v) if k.endswith("_max") else sums.get(k, 0.0) + v
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optim.grad_clip)
+        grad_norm = float(full_tensor(grad_norm))
+        grad_norms.append(grad_norm)
+        if finite and math.isfinite(grad_norm):
+            optimizer.step()
+            scheduler.step()
+            stepped = True
+            nonfinite[0] = 0
+        else:
+            nonfinite[0] += 1
+            if nonfinite[0] >= cfg.train.max_nonfinite_steps:
+                raise FloatingPointError(
+                    f"step {step + 1}: loss or gradient norm not finite for {nonfinite[0]} optimizer steps "
+                    f"in a row (last grad norm {grad_norm}); lower --optim.lr or check the data")
+        optimizer.zero_grad(set_to_none=True)
+    return sums, stepped, grad_norms, teacher_seconds
 
 
 def prepare_rollouts(engine, tokenizer, rows, cfg: Config, step: int, metrics: dict):
@@ -681,9 +690,9 @@ def compute_old_logprobs(cfg, policy, rollouts, pad_id, device, rank, world) -> 
     return [local[i] for i in range(len(rollouts))]
 
 
-def zero_loss(policy, device, pad_id, probe):
+def zero_loss(policy, device, pad_id):
     """A forward/backward with zero loss, so a rank without data still joins FSDP's collectives."""
-    packed = pack([probe[:2]], [1], pad_id, device)
+    packed = pack([[pad_id, pad_id]], [1], pad_id, device)
     out = policy(*_model_inputs(packed), lambda h, w: (h @ w.T).sum() * 0.0)
     return out, {}
 
@@ -691,7 +700,6 @@ def zero_loss(policy, device, pad_id, probe):
 def pad_microbatch_count(micro, mb_indices, size, world):
     """Every rank must run the same number of forward/backward passes (FSDP collectives)."""
     most = max(math.ceil(len(mb_indices[r::world]) / size) for r in range(world)) or 1
-    micro = [m for m in micro if m]
     return micro + [[] for _ in range(most - len(micro))]
 
 
@@ -715,10 +723,10 @@ def split_evenly(items: list, parts: int) -> list[list]:
     return out
 
 
-SUMMED = ("tokens", "entropy_sum", "mismatch_kl_sum", "is_ratio_sum", "divergence_sum", "distill_tokens")
+SUMMED = ("loss_sum", "tokens", "entropy_sum", "mismatch_kl_sum", "is_ratio_sum", "divergence_sum", "distill_tokens")
 
 
-def reduce_stats(sums: dict, world: int, algo: str) -> dict:
+def reduce_stats(sums: dict, world: int, algo: str, optimizer_steps: int) -> dict:
     """Token-weighted means of the micro-batch sums over all ranks."""
     totals = torch.tensor([sums.get(k, 0.0) for k in SUMMED], dtype=torch.float64)
     is_max = torch.tensor([sums.get("is_ratio_max", 0.0)], dtype=torch.float64)
@@ -727,10 +735,12 @@ def reduce_stats(sums: dict, world: int, algo: str) -> dict:
         dist.all_reduce(is_max, op=dist.ReduceOp.MAX)
     total = dict(zip(SUMMED, totals.tolist()))
     tokens = max(total["tokens"], 1.0)
-    out = {"actor/entropy": total["entropy_sum"] / tokens, "rollout/mismatch_kl": total["mismatch_kl_sum"] / tokens,
+    out = {"actor/loss": total["loss_sum"] / optimizer_steps, "actor/entropy": total["entropy_sum"] / tokens, "rollout/mismatch_kl": total["mismatch_kl_sum"] / tokens,
            "is/ratio_mean": total["is_ratio_sum"] / tokens, "is/ratio_max": is_max.item()}
     if algo == "sdpo":
         out["sdpo/divergence"] = total["divergence_sum"] / max(total["distill_tokens"], 1.0)
+    if algo == "sft":  # references have no engine log-probs to compare with
+        out = {k: out[k] for k in ("actor/loss", "actor/entropy")}
     return out
 
 
@@ -880,9 +890,17 @@ def resolve_model(cfg: Config, rank: int, world: int, device) -> str:
     return os.path.join(path, "final")
 
 
-def main(argv=None):
+def parse_config(argv=None) -> Config:
+    """Flags -> Config. Booleans take a value (--sdpo.add_tail=False), as sweep agents pass them."""
+    import re
     import tyro
-    cfg = tyro.cli(Config, args=argv, config=(tyro.conf.FlagConversionOff,))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = [re.sub(r"=(true|false)$", lambda m: "=" + m.group(1).capitalize(), a, flags=re.I) for a in argv]
+    return tyro.cli(Config, args=argv, config=(tyro.conf.FlagConversionOff,))
+
+
+def main(argv=None):
+    cfg = parse_config(argv)
     rank, world, device = setup_distributed()
     t0 = time.perf_counter()
     model_dir = resolve_model(cfg, rank, world, device)

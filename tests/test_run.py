@@ -1,0 +1,333 @@
+"""The training loop's pieces: flags, teacher EMA, loss masking, micro-batch invariance,
+contained reward failures, and short real runs (single process and two-rank torchrun)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data
+import feedback
+import run
+from rollout import Sample
+from teacher import Teacher
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU = torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------------------
+# flags
+
+
+def test_sweep_file_command_lines_parse():
+    import itertools
+
+    import yaml
+    with open(os.path.join(ROOT, "sweeps", "sdpo_alpha_topk.yaml")) as f:
+        sweep = yaml.safe_load(f)
+    assert sweep["program"] == "run.py"
+    params = sweep["parameters"]
+    names = list(params)
+    choices = [p["values"] if "values" in p else [p["value"]] for p in params.values()]
+    combos = list(itertools.product(*choices))
+    assert len(combos) == 12
+    for combo in combos:
+        # what `wandb agent` passes: --name=value with Python's str() of the value
+        cfg = run.parse_config([f"--{n}={v}" for n, v in zip(names, combo)])
+        values = dict(zip(names, combo))
+        assert cfg.algo.name == values["algo"]
+        assert cfg.sdpo.alpha == values["sdpo.alpha"]
+        assert cfg.sdpo.topk == values["sdpo.topk"]
+        assert cfg.sdpo.teacher_rate == values["sdpo.teacher_rate"]
+        assert cfg.sdpo.add_tail is True
+        assert cfg.log.wandb_mode == "online"
+
+
+def test_algo_flag_and_nested_flags():
+    cfg = run.parse_config(["--algo", "hybrid", "--algo.lam=0.25", "--sdpo.add_tail=false",
+                            "--data.strops_max_ops=3", "--train.micro_batch", "4", "--eval_only=True"])
+    assert (cfg.algo.name, cfg.algo.lam, cfg.sdpo.add_tail) == ("hybrid", 0.25, False)
+    assert (cfg.data.strops_max_ops, cfg.train.micro_batch, cfg.eval_only) == (3, 4, True)
+    with pytest.raises(SystemExit):
+        run.parse_config(["--algo=ppo"])
+
+
+# ----------------------------------------------------------------------------------------
+# teacher
+
+
+def _policy(tiny_dir, seed=None):
+    policy = run.load_policy(tiny_dir, run.Config(), 1, CPU)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    return policy
+
+
+def test_ema_moves_teacher_by_exactly_rate_times_difference(tiny_dir):
+    policy, copy = _policy(tiny_dir, seed=1), _policy(tiny_dir)
+    before = [p.detach().clone() for p in copy.parameters()]
+    teacher = Teacher("ema", 0.05, copy)
+    assert not teacher.update(policy, stepped=False)  # no optimizer step: no move
+    for p, b in zip(copy.parameters(), before):
+        assert torch.equal(p, b)
+    assert teacher.update(policy, stepped=True)
+    moved = 0
+    for p, b, s in zip(copy.parameters(), before, policy.parameters()):
+        torch.testing.assert_close(p - b, 0.05 * (s.detach() - b), rtol=0, atol=1e-7)
+        moved += int((p != b).any())
+    assert moved == len(before)
+
+
+def test_frozen_teacher_never_moves_and_live_needs_no_copy(tiny_dir):
+    policy, copy = _policy(tiny_dir, seed=2), _policy(tiny_dir)
+    before = [p.detach().clone() for p in copy.parameters()]
+    frozen = Teacher("frozen", 0.05, copy)
+    assert frozen.rate == 0.0 and not frozen.update(policy, stepped=True)
+    assert all(torch.equal(p, b) for p, b in zip(copy.parameters(), before))
+    Teacher("live", 0.0)
+    with pytest.raises(ValueError):
+        Teacher("ema", 0.05)
+
+
+# ----------------------------------------------------------------------------------------
+# the loss of a batch
+
+
+def _rollouts(tokenizer, algo, n_prompts=3, n=4, seed=0, no_success=False):
+    """Canned rollouts with uneven lengths, as prepare_rollouts would leave them."""
+    g = torch.Generator().manual_seed(seed)
+    rows = data.task_rows("strops", "train", n_prompts, seed=seed)
+    out = []
+    for row in rows:
+        prompt = data.chat_prompt_ids(tokenizer, row["messages"])
+        for j in range(n):
+            length = int(torch.randint(2, 12, (1,), generator=g))
+            response = torch.randint(3, len(tokenizer), (length,), generator=g).tolist()
+            reward = 0.0 if no_success else float(j == 0)
+            r = run.Rollout(row=row, prompt_ids=prompt, response_ids=response,
+                            rollout_logprobs=(-torch.rand(length, generator=g) * 5).tolist(),
+                            text="", truncated=False, reward=reward, advantage=float(torch.randn(1, generator=g)))
+            out.append(r)
+    if algo in ("sdpo", "hybrid"):
+        import sdpo
+        fb = [] if no_success else ["Wrong Answer: input abc expected cba"] * len(out)
+        tb = sdpo.build_teacher_batch(tokenizer, [r.row for r in out], [r.response_ids for r in out],
+                                      [tokenizer.decode(r.response_ids) for r in out], [r.reward for r in out],
+                                      fb or [""] * len(out), sdpo.SdpoConfig())
+        for r, ids, m in zip(out, tb.input_ids, tb.mask):
+            r.teacher_ids, r.sdpo_mask = ids, float(m)
+    return out
+
+
+class GradRecorder:
+    """Stands in for the optimizer: keeps the gradient of each step instead of stepping."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, []
+
+    def step(self):
+        self.grads.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+class NoSchedule:
+    def step(self):
+        pass
+
+
+def _grads(tiny_dir, tokenizer, algo, micro_batch, mini_batches=1, teacher_kind="ema", **sdpo_flags):
+    cfg = run.parse_config([f"--algo={algo}", f"--train.micro_batch={micro_batch}",
+                            f"--train.mini_batches={mini_batches}", f"--sdpo.teacher={teacher_kind}",
+                            "--sdpo.topk=8", "--sdpo.chunk_size=7"] + [f"--sdpo.{k}={v}" for k, v in sdpo_flags.items()])
+    torch.manual_seed(0)
+    policy = _policy(tiny_dir, seed=3)
+    teacher = Teacher(teacher_kind, cfg.sdpo.teacher_rate, _policy(tiny_dir) if teacher_kind != "live" else None)
+    recorder = GradRecorder(policy)
+    rollouts = _rollouts(tokenizer, algo)
+    sums, stepped, norms, _ = run.update_policy(cfg, policy, recorder, NoSchedule(), teacher, rollouts, 0,
+                                                tokenizer.pad_token_id, CPU, 0, 1, [0])
+    return recorder.grads, sums, norms
+
+
+@pytest.mark.parametrize("algo,flags", [("sdpo", {}), ("sdpo", {"chunked": False, "alpha": 1.0}),
+                                        ("sdpo", {"distill": "token"}), ("grpo", {}), ("gspo", {}),
+                                        ("hybrid", {})])
+def test_micro_batch_size_does_not_change_gradients(tiny_dir, tokenizer, algo, flags):
+    one, sums_one, _ = _grads(tiny_dir, tokenizer, algo, 1, **flags)
+    four, sums_four, _ = _grads(tiny_dir, tokenizer, algo, 4, **flags)
+    assert len(one) == len(four) == 1
+    total = sum(g.abs().sum() for g in one[0].values())
+    assert total > 0  # the loss reaches the weights
+    for name in one[0]:
+        torch.testing.assert_close(one[0][name], four[0][name], rtol=1e-4, atol=1e-7, msg=name)
+    assert sums_one["tokens"] == sums_four["tokens"]
+
+
+def test_mini_batches_take_several_optimizer_steps(tiny_dir, tokenizer):
+    grads, _, norms = _grads(tiny_dir, tokenizer, "sdpo", 4, mini_batches=3)
+    assert len(grads) == len(norms) == 3
+
+
+def test_no_success_and_no_feedback_gives_zero_sdpo_loss(tiny_dir, tokenizer):
+    cfg = run.parse_config(["--algo=sdpo", "--sdpo.topk=8"])
+    policy = _policy(tiny_dir)
+    teacher = Teacher("ema", 0.05, _policy(tiny_dir))
+    rollouts = _rollouts(tokenizer, "sdpo", no_success=True)
+    assert all(r.sdpo_mask == 0.0 for r in rollouts)
+    counts = run.step_counts(rollouts, "sdpo")
+    assert counts["tokens"] == 0 and counts["sequences"] == 0
+    loss, stats = run.microbatch_loss(cfg, policy, teacher, rollouts, counts, tokenizer.pad_token_id, CPU, None)
+    assert torch.isfinite(loss) and loss.item() == 0.0
+    loss.backward()
+    grads = [p.grad for p in policy.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() and g.abs().max() == 0 for g in grads)
+
+
+def test_nonfinite_losses_skip_steps_then_stop(tiny_dir, tokenizer, monkeypatch):
+    cfg = run.parse_config(["--algo=grpo", "--train.max_nonfinite_steps=2"])
+    policy = _policy(tiny_dir)
+    recorder = GradRecorder(policy)
+    real = run.microbatch_loss
+    monkeypatch.setattr(run, "microbatch_loss", lambda *a, **k: (lambda l, s: (l * float("nan"), s))(*real(*a, **k)))
+    rollouts = _rollouts(tokenizer, "grpo")
+    nonfinite = [0]
+    _, stepped, _, _ = run.update_policy(cfg, policy, recorder, NoSchedule(), None, rollouts, 0,
+                                         tokenizer.pad_token_id, CPU, 0, 1, nonfinite)
+    assert not stepped and recorder.grads == [] and nonfinite == [1]
+    with pytest.raises(FloatingPointError, match="not finite for 2 optimizer steps"):
+        run.update_policy(cfg, policy, recorder, NoSchedule(), None, rollouts, 1, tokenizer.pad_token_id, CPU, 0, 1,
+                          nonfinite)
+
+
+# ----------------------------------------------------------------------------------------
+# scoring: a reward function that raises fails its rollouts, not the run
+
+
+class CannedEngine:
+    def __init__(self, tokenizer, texts):
+        self.tokenizer, self.texts = tokenizer, texts
+
+    def generate(self, prompts, n, temperature, max_tokens, seed):
+        out = []
+        for p in prompts:
+            samples = []
+            for j in range(n):
+                text = self.texts[j % len(self.texts)]
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+                samples.append(Sample(p, ids, [-1.0] * len(ids), text, False))
+            out.append(samples)
+        return out
+
+
+def test_raising_reward_function_fails_the_rollout_not_the_run(tokenizer, tmp_path):
+    (tmp_path / "my_reward.py").write_text(
+        "def reward(response, row, truncated):\n"
+        "    if 'boom' in response:\n"
+        "        raise KeyError('no such field')\n"
+        "    return {'score': 1.0, 'feedback': 'fine'}\n")
+    cfg = run.parse_config([f"--data.reward={tmp_path / 'my_reward.py'}:reward"])
+    rows = data.task_rows("strops", "train", 2)
+    rollouts = run.generate_and_score(CannedEngine(tokenizer, ["Program: reverse", "boom"]), tokenizer, rows, cfg,
+                                      seed=0, n=2, temperature=1.0)
+    assert [r.reward for r in rollouts] == [1.0, 0.0, 1.0, 0.0]
+    assert rollouts[0].feedback == "fine" and rollouts[0].reward_error == ""
+    assert "KeyError" in rollouts[1].reward_error and "my_reward.py" in rollouts[1].reward_error
+    assert rollouts[1].feedback == ""
+
+
+def test_prepare_rollouts_scores_advantages_and_teacher_contexts(tokenizer):
+    cfg = run.parse_config(["--algo=sdpo", "--rollout.n=3"])
+    rows = data.task_rows("strops", "train", 2)
+    # the first sample solves nothing, the second is the reference of whichever row
+    engine = CannedEngine(tokenizer, ["Program: nonsense", rows[0]["reference"], "Program: reverse"])
+    rollouts, metrics = run.prepare_rollouts(engine, tokenizer, rows, cfg, 0, {})
+    assert len(rollouts) == 6
+    assert rollouts[1].reward == 1.0 and rollouts[0].reward == 0.0
+    assert rollouts[0].feedback  # strops feedback names a failing case
+    group0 = [r.advantage for r in rollouts[:3]]
+    assert abs(sum(group0)) < 1e-6 and group0[1] > 0
+    assert rollouts[0].sdpo_mask == 1.0 and rollouts[1].sdpo_mask in (0.0, 1.0)
+    assert rollouts[0].teacher_ids[-len(rollouts[0].response_ids):] == rollouts[0].response_ids
+    assert 0 < metrics["sdpo/teacher_coverage"] <= 1
+    assert metrics["reward/success_rate"] == pytest.approx(sum(r.reward >= 0.5 for r in rollouts) / 6)
+
+
+# ----------------------------------------------------------------------------------------
+# real runs (a vLLM engine; tens of seconds each)
+
+REQUIRED_KEYS = ["reward/mean", "reward/success_rate", "rollout/mismatch_kl", "is/ratio_mean", "is/ratio_max",
+                 "actor/entropy", "actor/grad_norm", "response/length_mean", "response/truncated_frac",
+                 "sync/seconds", "sync/probe_max_abs_diff", "time/rollout_s", "time/teacher_s", "time/train_s",
+                 "time/step_s", "throughput/tokens_per_s", "eval/success_rate"]
+SMALL = ["--train.warm_start_steps=0", "--train.steps=2", "--train.prompts_per_step=4", "--rollout.n=4",
+         "--rollout.max_tokens=12", "--data.eval_rows=4", "--rollout.eval_k=2", "--train.eval_every=2",
+         "--log.wandb_mode=disabled", "--log.progress=False", "--sdpo.topk=16"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _run(args, nproc=1, timeout=420):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, os.path.join(ROOT, "run.py")] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
+         os.path.join(ROOT, "run.py")]
+    proc = subprocess.run(cmd + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["sdpo", "grpo", "gspo"])
+def test_two_rank_torchrun_trains_and_syncs(algo, tmp_path):
+    out = str(tmp_path / algo)
+    _run(SMALL + [f"--algo={algo}", f"--log.out_dir={out}"], nproc=2)
+    records = _metrics(out)
+    steps = [r for r in records if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2]
+    for key in REQUIRED_KEYS:
+        assert key in steps[-1], key
+    for r in steps:
+        assert r["sync/probe_max_abs_diff"] < 1e-3  # the engine holds the trained weights
+        assert r["actor/grad_norm"] > 0
+    if algo == "sdpo":
+        assert "sdpo/teacher_coverage" in steps[-1] and "sdpo/divergence" in steps[-1]
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
+
+
+@pytest.mark.slow
+def test_single_process_run_with_checkpoint_and_resume(tmp_path):
+    """In-process engine; trust-region teacher and two mini-batches (old log-probs pass);
+    a checkpoint after step 1 resumes to the same step-2 batch."""
+    out = str(tmp_path / "a")
+    args = SMALL + ["--algo=sdpo", "--sdpo.teacher=trust-region", "--train.mini_batches=2", "--train.save_every=1",
+                    "--train.eval_every=0"]
+    _run(args + [f"--log.out_dir={out}"])
+    first = _metrics(out)
+    assert [r["step"] for r in first] == [1, 2]
+    assert os.path.isdir(os.path.join(out, "checkpoint-1"))
+    resumed = str(tmp_path / "b")
+    _run(args + [f"--log.out_dir={resumed}", f"--train.resume={os.path.join(out, 'checkpoint-1')}"])
+    second = _metrics(resumed)
+    assert [r["step"] for r in second] == [2]
+    # same weights, same prompts, same sampling seed: the same rollouts
+    assert second[0]["reward/mean"] == first[1]["reward/mean"]
+    assert second[0]["response/length_mean"] == first[1]["response/length_mean"]
