@@ -94,9 +94,9 @@ def sdpo_divergence(student_logprobs, teacher_logprobs, alpha):
     weighted_student = student_logprobs.clamp(min=floor) + math.log(1.0 - alpha)
     weighted_teacher = teacher_logprobs.clamp(min=floor) + math.log(alpha)
     mixture_logprobs = torch.logsumexp(torch.stack([weighted_student, weighted_teacher]), dim=0)
-    return (1.0 - alpha) * _kl_from_logprobs(student_logprobs, mixture_logprobs) + alpha * _kl_from_logprobs(
-        teacher_logprobs, mixture_logprobs
-    )
+    student_to_mixture = _kl_from_logprobs(student_logprobs, mixture_logprobs)
+    teacher_to_mixture = _kl_from_logprobs(teacher_logprobs, mixture_logprobs)
+    return (1.0 - alpha) * student_to_mixture + alpha * teacher_to_mixture
 
 
 def _support_logprobs(top_logits, full_logsumexp, add_tail):
@@ -316,8 +316,9 @@ def kl_estimate(logprobs, ref_logprobs, kind="k3"):
         "<kind>+"  value of <kind>, gradient of k2: k2 + sg(value - k2)
 
     logprobs, ref_logprobs [...] -> [...]. The reference side is detached. k3 is >= 0.
-    The "+" forms give an unbiased-gradient loss term (k2's gradient is that of the
-    KL itself in expectation) while still logging the named estimator's value.
+    The "+" forms use k2's gradient, d * grad logp, which on tokens sampled from pi is
+    in expectation the gradient of KL(pi || ref), while the value stays the named
+    estimator's for logging.
     """
     aliases = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
     straight_through = kind.endswith("+")
@@ -334,7 +335,7 @@ def kl_estimate(logprobs, ref_logprobs, kind="k3"):
         neg_log_ratio = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         value = (torch.exp(neg_log_ratio) - neg_log_ratio - 1.0).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
     else:
-        raise ValueError(f"unknown KL estimator {kind!r}")
+        raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_KINDS}, optionally with '+'")
     if not straight_through:
         return value
     k2 = 0.5 * log_ratio.square()
@@ -389,7 +390,7 @@ def dpo_loss(
     elif kind == "robust":
         losses = (-(1.0 - eps) * F.logsigmoid(beta * logits) + eps * F.logsigmoid(-beta * logits)) / (1.0 - 2.0 * eps)
     else:
-        raise ValueError(f"unknown DPO kind {kind!r}")
+        raise ValueError(f"unknown DPO kind {kind!r}; expected one of {DPO_KINDS}")
     chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
     rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
     return losses, chosen_rewards, rejected_rewards
@@ -448,7 +449,7 @@ def aggregate(per_token_loss, mask, mode, global_tokens=None, global_sequences=N
     poisoning the gradient. With nothing unmasked the result is 0, with a gradient path.
     """
     if mode not in AGGREGATION_MODES:
-        raise ValueError(f"unknown aggregation mode {mode!r}")
+        raise ValueError(f"unknown aggregation mode {mode!r}; expected one of {AGGREGATION_MODES}")
     mask = mask.to(per_token_loss.dtype)
     masked_loss = per_token_loss.masked_fill(mask == 0, 0.0) * mask
     local_tokens, local_sequences = global_counts(mask)
@@ -627,7 +628,9 @@ class _TopKDistillFromHidden(torch.autograd.Function):
             student_hidden, student_weight, topk_ids, student_tops, student_lses, teacher_supports = ctx.saved_tensors
             num_tokens, work_dtype = student_hidden.shape[0], teacher_supports.dtype
             grads = _new_grads(ctx, student_hidden, student_weight, work_dtype)
-            student_buffer, low_precision_buffer = _chunk_buffers(student_hidden, student_weight, chunk_size, work_dtype)
+            student_buffer, low_precision_buffer = _chunk_buffers(
+                student_hidden, student_weight, chunk_size, work_dtype
+            )
             grad_output = grad_output.to(work_dtype)
             for start in range(0, num_tokens, chunk_size):
                 rows = slice(start, min(start + chunk_size, num_tokens))

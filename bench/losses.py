@@ -17,7 +17,8 @@ counter read right after the inputs (hidden states, both [V, H] heads) were allo
 and touched, so it is the extra memory of one forward+backward step, gradients (incl.
 the [V, H] weight gradient) and temporaries included. On CUDA, max_memory_allocated
 minus memory_allocated after the inputs. Time: wall clock of the one step (after a tiny
-warm-up that loads the kernels), cuda-synchronised on GPU.
+warm-up that loads the kernels), cuda-synchronised on GPU; the CPU seconds (user + sys)
+of the same step are printed too, as they are less disturbed by other processes.
 The last line is `RESULT mem_ratio=... time_ratio=...` for chunked / plain.
 """
 
@@ -40,6 +41,11 @@ PATHS = ("plain", "chunked", "weighted")
 
 def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def cpu_seconds():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def make_inputs(args, device, dtype, tokens):
@@ -93,13 +99,13 @@ def child(args):
         baseline = torch.cuda.memory_allocated()
     else:
         baseline = peak_rss_bytes()
-    start = time.perf_counter()
+    cpu_start, start = cpu_seconds(), time.perf_counter()
     loss = step(args.child, inputs, args)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss_bytes()
-    print(json.dumps({"path": args.child, "seconds": seconds, "extra_bytes": peak - baseline,
+    print(json.dumps({"path": args.child, "seconds": seconds, "cpu_seconds": cpu, "extra_bytes": peak - baseline,
                       "baseline_bytes": baseline, "loss": loss}))
 
 
@@ -139,17 +145,20 @@ def main():
     for _ in range(args.repeats):  # interleaved, so that machine load drifts hit every path alike
         for path in paths:
             runs[path].append(run_child(path, args))
-    medians = {path: {key: statistics.median(r[key] for r in rs) for key in ("seconds", "extra_bytes")}
+    medians = {path: {key: statistics.median(r[key] for r in rs) for key in ("seconds", "cpu_seconds", "extra_bytes")}
                for path, rs in runs.items()}
     losses_seen = {path: rs[0]["loss"] for path, rs in runs.items()}
-    print(f"{'path':<10} {'extra memory (MiB)':>19} {'time (s)':>9} {'mem ratio':>10} {'time ratio':>11} {'loss':>14}")
+    plain = medians["plain"]
+    print(f"{'path':<10} {'extra memory (MiB)':>19} {'time (s)':>9} {'cpu (s)':>8} {'mem ratio':>10} "
+          f"{'time ratio':>11} {'cpu ratio':>10} {'loss':>14}")
     for path in paths:
         m = medians[path]
-        print(f"{path:<10} {m['extra_bytes'] / 2**20:>19.0f} {m['seconds']:>9.2f} "
-              f"{m['extra_bytes'] / medians['plain']['extra_bytes']:>10.3f} "
-              f"{m['seconds'] / medians['plain']['seconds']:>11.3f} {losses_seen[path]:>14.6f}")
+        print(f"{path:<10} {m['extra_bytes'] / 2**20:>19.0f} {m['seconds']:>9.2f} {m['cpu_seconds']:>8.2f} "
+              f"{m['extra_bytes'] / plain['extra_bytes']:>10.3f} {m['seconds'] / plain['seconds']:>11.3f} "
+              f"{m['cpu_seconds'] / plain['cpu_seconds']:>10.3f} {losses_seen[path]:>14.6f}")
     for path, rs in runs.items():
         print(f"{path} runs: " + ", ".join(f"{r['seconds']:.2f}s/{r['extra_bytes'] / 2**20:.0f}MiB" for r in rs))
+    print(f"load average after: {os.getloadavg()[0]:.1f} (other processes on the machine skew wall time)")
     mem_ratio = medians["chunked"]["extra_bytes"] / medians["plain"]["extra_bytes"]
     time_ratio = medians["chunked"]["seconds"] / medians["plain"]["seconds"]
     print(f"RESULT mem_ratio={mem_ratio:.3f} time_ratio={time_ratio:.3f}")
