@@ -30,7 +30,7 @@ import data
 import feedback
 import losses
 import sdpo
-from teacher import Teacher, full_tensor
+from teacher import Teacher, full_tensor, reshard
 
 # ----------------------------------------------------------------------------------------
 # Configuration (tyro): python run.py --help
@@ -522,6 +522,7 @@ def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
         probe_packed = pack([probe], [len(probe) - 1], pad_id, device)
         with torch.no_grad():
             probe_lp = policy(*_model_inputs(probe_packed), lambda h, w: token_stats(h, w, probe_packed.targets, 1.0)[0])
+        reshard(policy)
         tol = cfg.rollout.sync_tol or (1e-3 if engine_dtype(cfg, device) == "float32" else 1.0)
         result = rank0_call(rank, world, lambda: engine.update_weights(state, probe, probe_lp.cpu(), tol))
         return {"sync/seconds": time.perf_counter() - t0, "sync/probe_max_abs_diff": result.probe_max_abs_diff}

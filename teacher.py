@@ -23,6 +23,13 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
+def reshard(module):
+    """Put an FSDP2 module's parameters back into shards. FSDP2 leaves the root unit
+    unsharded after a forward, expecting a backward; a no-grad forward never has one."""
+    if hasattr(module, "reshard"):
+        module.reshard()
+
+
 def full_tensor(p: torch.Tensor) -> torch.Tensor:
     """The whole of a possibly sharded parameter (a collective under FSDP2: every rank calls it)."""
     return p.full_tensor() if hasattr(p, "full_tensor") else p
@@ -53,6 +60,8 @@ class Teacher:
         """EMA step after a training step; skipped unless an optimizer step was taken."""
         if self.kind != "ema" or not stepped or self.rate == 0.0:
             return False
+        reshard(self.copy)
+        reshard(policy)
         for teacher_p, student_p in zip(self.copy.parameters(), policy.parameters()):
             local_tensor(teacher_p).lerp_(local_tensor(student_p).to(teacher_p.dtype), self.rate)
         self._head = None
@@ -61,6 +70,7 @@ class Teacher:
     def head_weight_source(self):
         """The copy's LM-head weight, whole (every rank calls this at the same point)."""
         if self._head is None and self.copy is not None:
+            reshard(self.copy)
             self._head = full_tensor(self.copy.hf.lm_head.weight).detach()
         return self._head
 
@@ -82,6 +92,8 @@ class Teacher:
                 parts.append(torch.cat([(1 - self.rate) * ref.float(), self.rate * student.float()], dim=-1))
             else:
                 parts.append(forward(self.copy, seqs, lens, _hidden_only))
+        if self.copy is not None:
+            reshard(self.copy)
         return torch.cat(parts) if parts else torch.zeros(0)
 
     def head_weight(self, student_weight: torch.Tensor) -> torch.Tensor:

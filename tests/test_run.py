@@ -306,7 +306,8 @@ def test_two_rank_torchrun_trains_and_syncs(algo, tmp_path):
         assert key in steps[-1], key
     for r in steps:
         assert r["sync/probe_max_abs_diff"] < 1e-3  # the engine holds the trained weights
-        assert r["actor/grad_norm"] > 0
+        # an untrained model solves nothing: GRPO's advantages are all 0, SDPO still has feedback
+        assert r["actor/grad_norm"] > 0 if algo == "sdpo" else r["actor/grad_norm"] >= 0
     if algo == "sdpo":
         assert "sdpo/teacher_coverage" in steps[-1] and "sdpo/divergence" in steps[-1]
     from transformers import AutoModelForCausalLM
