@@ -86,6 +86,19 @@ def _strops_row(rng: random.Random, cfg: TaskConfig) -> dict:
 TASKS = {"arith": _arith_row, "strops": _strops_row}
 
 
+def wrong_response(row: dict, rng: random.Random) -> str | None:
+    """A plausible wrong answer to a synthetic row (for warm-start examples with feedback)."""
+    if row["reward"] == "strops":
+        while True:
+            program = " | ".join(rng.choice(sorted(OPS)) for _ in range(rng.randint(1, 2)))
+            if any(run_program(program.split(" | "), t["input"]) != t["output"] for t in row["tests"]):
+                return f"Program: {program}"
+    if row["reward"] == "math" and row.get("answer") is not None and row["answer"].lstrip("-").isdigit():
+        wrong = int(row["answer"]) + rng.choice([-10, -2, -1, 1, 2, 10])
+        return f"Answer: {wrong}"
+    return None
+
+
 def task_rows(task: str, split: str, n: int, seed: int = 0, cfg: TaskConfig | None = None) -> list[dict]:
     """n distinct rows of a synthetic task's split ("train" or "test"), deterministic in seed."""
     if task not in TASKS:

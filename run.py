@@ -121,6 +121,11 @@ class TrainConfig:
     warm_start_steps: int = 300  # built-in SFT of the tiny model on the task's references (cached)
     warm_start_batch: int = 32
     warm_start_lr: float = 2e-3
+    # Shares of warm-start examples whose prompt is a teacher context (sdpo.py's templates)
+    # with the reference as the correct solution, or with a wrong attempt's feedback: they
+    # teach the tiny model to use what SDPO's teacher is shown.
+    warm_start_demo_frac: float = 0.3
+    warm_start_feedback_frac: float = 0.2
     eval_every: int = 10  # and at the start and the end; 0: never
     save_every: int = 0  # torch.distributed.checkpoint every N steps; 0: only the final HF model
     resume: str = ""  # a checkpoint directory written by save_every
@@ -325,16 +330,30 @@ def evaluate(engine, tokenizer, rows, cfg: Config, seed: int) -> dict:
     }
 
 
-def sft_rollouts(tokenizer, rows, cfg: Config) -> list[Rollout]:
-    """Reference responses as rollouts, for --algo sft and the tiny model's warm start."""
+def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
+    """Reference responses as rollouts, for --algo sft and the tiny model's warm start.
+
+    A share of the prompts (--train.warm_start_*_frac) are SDPO teacher contexts: the
+    reference shown as the correct solution, or the feedback on a wrong attempt.
+    """
+    rng = random.Random(cfg.train.seed * 15485863 + step)
     out = []
     for row in rows:
         if not row.get("reference"):
             raise ValueError(f"{row['source']}: --algo sft needs a reference response (field 'teacher_response')")
         response = tokenizer(row["reference"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        out.append(Rollout(row=row, prompt_ids=data.chat_prompt_ids(tokenizer, row["messages"], cfg.data.max_prompt_len),
-                           response_ids=response, rollout_logprobs=[0.0] * len(response), text=row["reference"],
-                           truncated=False, reward=1.0))
+        draw, prompt = rng.random(), None
+        if draw < cfg.train.warm_start_demo_frac:
+            prompt = sdpo.teacher_prompt_ids(tokenizer, row["messages"], row["reference"], None, cfg.sdpo)
+        elif draw < cfg.train.warm_start_demo_frac + cfg.train.warm_start_feedback_frac:
+            wrong = data.wrong_response(row, rng)
+            if wrong is not None:
+                reward = feedback.score(feedback.get_reward_fn(row["reward"]), wrong, row, False)
+                prompt = sdpo.teacher_prompt_ids(tokenizer, row["messages"], None, reward.feedback or None, cfg.sdpo)
+        if prompt is None:
+            prompt = data.chat_prompt_ids(tokenizer, row["messages"], cfg.data.max_prompt_len)
+        out.append(Rollout(row=row, prompt_ids=prompt, response_ids=response, rollout_logprobs=[0.0] * len(response),
+                           text=row["reference"], truncated=False, reward=1.0))
     return out
 
 
@@ -356,9 +375,8 @@ def microbatch_loss(cfg: Config, policy, teacher: Teacher | None, batch: list[Ro
     teacher_hidden = None
     t0 = time.perf_counter()
     if algo in ("sdpo", "hybrid"):
-        forward = lambda model, seqs, lens, head: model(*_model_inputs(pack(seqs, lens, pad_id, device)), head)
-        teacher_hidden = teacher.hidden(policy, forward, [r.teacher_ids for r in batch],
-                                        [len(r.response_ids) for r in batch], cfg.sdpo.teacher_micro_batch)
+        teacher_hidden = teacher_hidden_states(cfg, policy, teacher, batch, pad_id, device,
+                                               dist.get_world_size() if dist.is_initialized() else 1)
     teacher_seconds = time.perf_counter() - t0
 
     def head(hidden, weight):
@@ -444,6 +462,30 @@ def microbatch_loss(cfg: Config, policy, teacher: Teacher | None, batch: list[Ro
         stats["divergence_sum"] = (mat(out["loss"]).detach() * mask).sum().item()
         stats["distill_tokens"] = mask.sum().item()
     return loss, stats
+
+
+def teacher_hidden_states(cfg: Config, policy, teacher: Teacher, batch: list[Rollout], pad_id: int, device,
+                          world: int):
+    """Teacher hidden states [N, H'] at every response token of the batch. Samples without
+    a teacher context (mask 0) get zeros instead of a forward: their loss is masked out."""
+    used = [r for r in batch if r.sdpo_mask > 0]
+    calls = torch.tensor([math.ceil(len(used) / cfg.sdpo.teacher_micro_batch)])
+    if world > 1:  # ranks differ in how many of their samples have a teacher context
+        dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+    forward = lambda model, seqs, lens, head: model(*_model_inputs(pack(seqs, lens, pad_id, device)), head)
+    hidden = teacher.hidden(policy, forward, [r.teacher_ids for r in used], [len(r.response_ids) for r in used],
+                            cfg.sdpo.teacher_micro_batch, calls=int(calls), dummy_seq=[pad_id, pad_id])
+    if len(used) == len(batch):
+        return hidden
+    width = hidden.shape[-1] if len(used) else teacher.hidden_size(policy)
+    parts, start = [], 0
+    for r in batch:
+        if r.sdpo_mask > 0:
+            parts.append(hidden[start:start + len(r.response_ids)])
+            start += len(r.response_ids)
+        else:
+            parts.append(torch.zeros(len(r.response_ids), width, device=device, dtype=hidden.dtype if len(used) else torch.float32))
+    return torch.cat(parts)
 
 
 def _model_inputs(packed: Packed):
@@ -545,7 +587,7 @@ def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
         # 2-4. generate, score, build teacher contexts (rank 0), then share with every rank
         t0 = time.perf_counter()
         if algo == "sft":
-            rollouts = sft_rollouts(tokenizer, rows, cfg)
+            rollouts = sft_rollouts(tokenizer, rows, cfg, step)
         else:
             rollouts = rank0_call(rank, world, lambda: prepare_rollouts(engine, tokenizer, rows, cfg, step, metrics))
             if rank == 0:
@@ -603,6 +645,8 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, teacher, rollouts: 
     old_logprobs = compute_old_logprobs(cfg, policy, rollouts, pad_id, device, rank, world) \
         if cfg.train.mini_batches > 1 else None
     sums, stepped, grad_norms, teacher_seconds = {}, False, [], 0.0
+    if teacher is not None:
+        teacher.head_weight_source()  # a collective under FSDP2: gathered here, on every rank at once
     for mb_indices in split_evenly(order, cfg.train.mini_batches):
         counts = step_counts([rollouts[i] for i in mb_indices], algo)
         mine = mb_indices[rank::world]
@@ -613,6 +657,8 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, teacher, rollouts: 
             batch = [rollouts[i] for i in idx]
             with no_sync_unless(policy, world, last=j == len(micro) - 1):
                 if not batch:  # this rank has fewer rollouts: take part with a zero loss
+                    if teacher is not None:  # and in the teacher's collectives
+                        teacher_hidden_states(cfg, policy, teacher, [], pad_id, device, world)
                     loss, stats = zero_loss(policy, device, pad_id)
                 else:
                     loss, stats = microbatch_loss(cfg, policy, teacher, batch, counts, pad_id, device,
