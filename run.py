@@ -118,7 +118,7 @@ class TrainConfig:
     mini_batches: int = 1  # optimizer steps per rollout batch
     micro_batch: int = 32  # sequences per forward/backward on each rank
     seed: int = 0
-    warm_start_steps: int = 300  # built-in SFT of the tiny model on the task's references (cached)
+    warm_start_steps: int = 150  # built-in SFT of the tiny model on the task's references (cached)
     warm_start_batch: int = 32
     warm_start_lr: float = 2e-3
     # Shares of warm-start examples whose prompt is a teacher context (sdpo.py's templates)
