@@ -733,3 +733,15 @@ def test_chunked_bfloat16_matches_plain_bfloat16():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     scale = w.grad.abs().max().item()
     torch.testing.assert_close(student_weight.grad.float(), w.grad.float(), rtol=0.02, atol=0.02 * scale)
+
+
+def test_chunked_with_no_tokens():
+    hidden = torch.zeros(0, 4, requires_grad=True)
+    weight = torch.randn(10, 4, requires_grad=True)
+    per_token = losses.sdpo_topk_loss_from_hidden(hidden, weight, hidden.detach(), weight.detach(), k=3)
+    assert per_token.shape == (0,)
+    per_token.sum().backward()
+    assert hidden.grad.shape == (0, 4) and weight.grad.abs().sum().item() == 0.0
+    weighted = losses.sdpo_topk_loss_from_hidden(hidden, weight, hidden.detach(), weight.detach(), k=3,
+                                                 token_weights=torch.zeros(0))
+    assert weighted.item() == 0.0
