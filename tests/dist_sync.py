@@ -1,0 +1,87 @@
+"""Two-rank weight sync under torchrun, the way run.py's train() does it (run by
+tests/test_rollout.py, not collected by pytest):
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 --master_port=PORT \
+        tests/dist_sync.py OUT_DIR MODEL_DIR
+
+Both ranks shard the tiny model with FSDP2 and take one optimizer step; rank 0 owns a
+float32 engine (its own process, chosen automatically under torchrun), every rank gathers the
+full state dict and computes the probe log-probs through the sharded model, rank 0 syncs.
+Then a collective checks that the trainers' process group still works with the engine alive.
+Each rank writes OUT_DIR/rank{N}.json; the test asserts on them.
+"""
+import json
+import os
+import sys
+import time
+
+if __name__ == "__main__":  # vLLM starts its engine core with spawn: the entry point must be guarded
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoTokenizer
+
+    import rollout
+    import run
+
+    out_dir, model_dir = sys.argv[1], sys.argv[2]
+    rank, world, device = run.setup_distributed()
+    result = {"rank": rank, "world": world}
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    probe = rollout.probe_ids(tokenizer)
+    pad_id = tokenizer.pad_token_id
+
+    # Engine first, as in run.train; rank0_call hands a failure on rank 0 to rank 1 as well.
+    t0 = time.perf_counter()
+    engine = run.rank0_call(rank, world, lambda: rollout.Engine(
+        model_dir, dtype="float32", gpu_memory_utilization=0.1), share=False)
+    if rank == 0:
+        result["engine_start_s"] = time.perf_counter() - t0
+        result["own_process"] = engine.own_process
+        # torchrun's variables were hidden from the engine only while it started
+        result["env_restored"] = os.environ.get("RANK") == "0" and os.environ.get("WORLD_SIZE") == "2"
+        result["engine_before"] = engine.score([probe])[0]
+
+    policy = run.load_policy(model_dir, run.Config(), world, device)
+    result["sharded"] = all(isinstance(p, DTensor) for p in policy.parameters())
+    packed = run.pack([probe], [len(probe) - 1], pad_id, device)
+    inputs = run._model_inputs(packed)
+
+    def probe_logprobs():  # as run.train's sync(): through the sharded model, on every rank
+        with torch.no_grad():
+            return policy(*inputs, lambda h, w: run.token_stats(h, w, packed.targets, 1.0)[0]).cpu()
+
+    before = probe_logprobs()
+    # One AdamW step on the probe's NLL: every parameter moves by about lr, identically on both
+    # ranks (FSDP2 reduce-scatters the gradient).
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.0)
+    loss = policy(*inputs, lambda h, w: -run.token_logprobs_with_grad(h, w, packed.targets, 1.0).mean())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    after = probe_logprobs()
+    result["trainer_before"], result["trainer_after"] = before.tolist(), after.tolist()
+
+    state = run.full_state_dict(policy, world)  # every rank takes part; rank 0 gets the tensors
+    result["state_keys"] = sorted(state)
+    sync = run.rank0_call(rank, world, lambda: engine.update_weights(state, probe, after, tol=1e-4))
+    result["probe_max_abs_diff"] = sync.probe_max_abs_diff
+    result["sync_s"] = sync.seconds
+    if rank == 0:
+        result["engine_after"] = engine.score([probe])[0]
+
+    # The trainers' process group still works with the engine (and its process) alive.
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    result["all_reduce"] = total.item()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, after.tolist())
+    result["ranks_agree"] = all(g == gathered[0] for g in gathered)
+
+    if rank == 0:
+        engine.close()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
