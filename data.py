@@ -179,7 +179,11 @@ def _check_tests(tests, where: str) -> list[dict]:
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: a string that is not JSON ({e.msg})") from None
     if isinstance(tests, dict) and isinstance(tests.get("inputs"), list):  # {"inputs": [...], "outputs": [...]}
-        tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], tests.get("outputs", []))]
+        outputs = tests.get("outputs")
+        if not isinstance(outputs, list) or len(outputs) != len(tests["inputs"]):
+            raise DataError(f"{where}: {len(tests['inputs'])} inputs but "
+                            f"{len(outputs) if isinstance(outputs, list) else 'no list of'} outputs")
+        tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], outputs)]
     if not isinstance(tests, list) or not all(
             isinstance(t, dict) and isinstance(t.get("input"), str) and isinstance(t.get("output"), str) for t in tests):
         raise DataError(f"{where}: expected a list of {{'input': str, 'output': str}}")

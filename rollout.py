@@ -80,8 +80,8 @@ def _checkpoint_keys(model_dir: str) -> set[str]:
 class Engine:
     """A vLLM engine driven by rank 0.
 
-    own_process: None chooses in-process for a single colocated process and an engine-core
-    process otherwise. dtype "float32" makes the engine match a float32 trainer to ~1e-4;
+    own_process: None chooses in-process for a single colocated process on a GPU and an
+    engine-core process otherwise (always on CPU). dtype "float32" makes the engine match a float32 trainer to ~1e-4;
     "bfloat16" is what GPUs run (see the README for the probe tolerance that holds).
     """
 
@@ -94,7 +94,9 @@ class Engine:
             raise ValueError(f"placement must be 'colocated' or 'separate', got {placement!r}")
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if own_process is None:
-            own_process = world_size > 1 or placement == "separate"
+            # On CPU an in-process engine binds the process's OpenMP threads, which makes its
+            # generation ~10x slower and erratic next to a 2-thread trainer (bench/rollout.py).
+            own_process = world_size > 1 or placement == "separate" or not torch.cuda.is_available()
         if not own_process and world_size > 1:
             raise ValueError("an in-process engine under torchrun with several ranks hangs at start-up; "
                              "use own_process=True")
@@ -140,7 +142,9 @@ class Engine:
         drawn from the full tempered distribution for the log-probs to be correct."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed * 100003 + i,
+        # vLLM seeds sample j of a request with seed + j: space the prompts' seeds by n so
+        # that no two samples of a batch share a random stream.
+        params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed * 1000003 + i * n,
                                  logprobs=0, top_p=1.0, top_k=0, min_p=0.0, skip_special_tokens=True)
                   for i in range(len(prompts))]
         outputs = self._call("generate", self.llm.generate,

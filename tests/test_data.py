@@ -516,8 +516,6 @@ def test_tests_of_the_wrong_shape_name_file_row_and_field(tmp_path, tests):
     assert msg.startswith(f"{path}, row 2, field 'tests' (column 't')"), msg
 
 
-@pytest.mark.xfail(strict=True, reason="data._check_tests zips {'inputs', 'outputs'} and silently drops the "
-                   "unmatched tests (or all of them when 'outputs' is missing) instead of raising DataError")
 @pytest.mark.parametrize("tests", [{"inputs": ["1", "2"], "outputs": ["1"]}, {"inputs": ["1", "2"]}])
 def test_tests_dict_with_unmatched_inputs_and_outputs_is_an_error(tmp_path, tests):
     path, msg = _error(tmp_path, [{"prompt": "p", "tests": tests}])

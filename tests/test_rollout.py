@@ -246,8 +246,9 @@ class TestInProcess:
                 else:
                     assert s.response_ids[-1] == eos
                 text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-                # vLLM holds back the bytes of a UTF-8 character cut off by max_tokens
-                assert s.text == text or (s.truncated and text.startswith(s.text)
+                # vLLM holds back the bytes of a UTF-8 character left incomplete at the end
+                # (cut off by max_tokens, or followed by EOS: the random model emits stray bytes)
+                assert s.text == text or (text.startswith(s.text)
                                           and set(text[len(s.text):]) == {"\ufffd"}), (s.text, text)
             assert len({tuple(s.response_ids) for s in samples}) > 4  # n samples, not n copies of one
 
@@ -284,10 +285,6 @@ class TestInProcess:
         assert a != c
         assert all(x != y for x, y in zip(a[0], c[0]))
 
-    @pytest.mark.xfail(strict=True, reason=(
-        "rollout.Engine.generate seeds prompt i with seed*100003 + i and vLLM seeds sample j of a request "
-        "with seed + j (vllm/v1/engine/parallel_sampling.py), so sample j+1 of prompt i and sample j of "
-        "prompt i+1 share one random stream: identical prompts get shifted copies of the same samples"))
     def test_samples_of_different_prompts_are_independent(self, engine, prompts):
         out = engine.generate([prompts[0], prompts[0]], n=4, temperature=1.0, max_tokens=16, seed=0)
         first, second = [s.response_ids for s in out[0]], [s.response_ids for s in out[1]]
