@@ -715,7 +715,7 @@ def sdpo_topk_loss_from_hidden(
     alpha=0.5,
     add_tail=True,
     temperature=1.0,
-    chunk_size=256,
+    chunk_size=512,
     teacher_mix=0.0,
     token_weights=None,
 ):

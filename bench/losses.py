@@ -128,13 +128,13 @@ def main():
     parser.add_argument("--k", type=int, default=100)
     parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--chunk-size", type=int, default=None, help="rows per chunk (default 256 CPU, 4096 CUDA)")
+    parser.add_argument("--chunk-size", type=int, default=None, help="rows per chunk (default 512 CPU, 4096 CUDA)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of " + ",".join(PATHS))
     parser.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.chunk_size is None:  # GPUs want big chunks: per-chunk launch overhead, not memory, dominates there
-        args.chunk_size = 4096 if args.device.startswith("cuda") else 256
+        args.chunk_size = 4096 if args.device.startswith("cuda") else 512
     if args.child:
         return child(args)
 
