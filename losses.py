@@ -729,8 +729,11 @@ def sdpo_topk_loss_from_hidden(
     student_hidden [N, H]: final hidden states at the response positions (select them
     first, e.g. hidden[mask.bool()], so padding costs nothing); student_lm_head_weight
     W_s [V, H]; teacher_hidden [N, H] and teacher_lm_head_weight W_t [V, H] (an EMA
-    teacher has its own head; None = W_s). No bias term. teacher_mix = r gives the
-    trust-region teacher, teacher logits = lerp(teacher, student.detach(), r). The
+    teacher has its own head; None = W_s). No bias term. teacher_mix = r mixes the
+    teacher logits with the student's own, at the same rows: lerp(teacher,
+    student.detach(), r). That is SPEC's trust-region teacher only when the student's
+    logits there are those of the teacher context; run.py instead passes the exact
+    trust-region teacher as concatenated hidden states and heads (teacher.py). The
     teacher side never gets a gradient. Logits are computed chunk_size rows at a time in
     float32 (float64 for float64 inputs); bf16/fp16 inputs get bf16/fp16 matmuls.
 

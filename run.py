@@ -249,10 +249,9 @@ def token_stats(hidden, weight, targets, temperature, chunk=1024):
     """Log-probs of targets and entropies [N] without a gradient, chunk by chunk."""
     logprobs, entropies = [], []
     for i in range(0, hidden.shape[0], chunk):
-        logits = (hidden[i:i + chunk] @ weight.T).float() / temperature
-        logp = logits.log_softmax(-1)
-        logprobs.append(logp.gather(-1, targets[i:i + chunk, None])[:, 0])
-        entropies.append(-(logp.exp() * logp).sum(-1))
+        logits = (hidden[i:i + chunk] @ weight.T).float()
+        logprobs.append(losses.token_logprobs(logits, targets[i:i + chunk], temperature))
+        entropies.append(losses.entropy_from_logits(logits, temperature))
     empty = hidden.new_zeros(0, dtype=torch.float32)
     return (torch.cat(logprobs) if logprobs else empty), (torch.cat(entropies) if entropies else empty)
 
@@ -433,9 +432,10 @@ def microbatch_loss(cfg: Config, policy, teacher: Teacher | None, batch: list[Ro
         advantages = torch.tensor([r.advantage for r in batch], dtype=torch.float32, device=device)
         logprobs = mat(out["logprobs"])
         if algo == "hybrid":
-            sdpo_adv = (mat(out["teacher_lp"]) - mat(current_lp)) * torch.tensor(
-                [r.sdpo_mask for r in batch], device=device)[:, None]
-            advantages = cfg.algo.lam * advantages[:, None] + (1 - cfg.algo.lam) * sdpo_adv
+            # A_SDPO = T - S only where there is a teacher context; 0 elsewhere
+            has_teacher = torch.tensor([r.sdpo_mask > 0 for r in batch], device=device)[:, None]
+            teacher_lp = torch.where(has_teacher, mat(out["teacher_lp"]), mat(current_lp))
+            advantages = losses.hybrid_advantages(advantages, teacher_lp, mat(current_lp), cfg.algo.lam)
         if algo == "gspo":
             per_token_loss, _ = losses.gspo_loss(logprobs, mat(old_lp), advantages, mask,
                                                  cfg.algo.gspo_eps_low, cfg.algo.gspo_eps_high)
