@@ -30,7 +30,7 @@ class TaskConfig:
     """Difficulty of the synthetic tasks (all flags under --data.*)."""
     arith_digits: int = 2  # operand digits of the arithmetic task
     arith_ops: str = "+-"  # operators drawn from
-    strops_max_ops: int = 2  # program length 1..max_ops
+    strops_max_ops: int = 1  # program length 1..max_ops (1: a single op, the tiny model solves ~30%)
     strops_str_len: int = 5  # input string length
     strops_shown: int = 2  # examples shown in the prompt
     strops_hidden: int = 2  # extra test cases only the checker sees
@@ -343,9 +343,10 @@ def _tokenizer_corpus(seed: int) -> list[str]:
     """Text the tokenizer is trained on: prompts and answers of both tasks, and the SDPO
     reprompt and feedback vocabulary, so that teacher contexts tokenise compactly."""
     texts = []
+    corpus_tasks = TaskConfig(strops_max_ops=2)  # fixed: the tokenizer must not move with the task defaults
     for task in TASKS:
         for split in ("train", "test"):
-            for row in task_rows(task, split, 300 if split == "train" else 30, seed=seed):
+            for row in task_rows(task, split, 300 if split == "train" else 30, seed=seed, cfg=corpus_tasks):
                 texts += [m["content"] for m in row["messages"]] + [row["reference"]]
     texts += ["<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_start|>system\n"] * 50
     texts += [
