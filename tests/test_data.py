@@ -347,7 +347,9 @@ def test_strops_expected_outputs_agree_with_an_independent_implementation():
 
 def test_strops_knobs_change_the_rows():
     default = data.task_rows("strops", "train", 100)
-    assert {len(r["answer"].split(" | ")) for r in default} == {1, 2}
+    assert {len(r["answer"].split(" | ")) for r in default} == {1}  # single-op programs by default
+    two = data.task_rows("strops", "train", 100, cfg=TaskConfig(strops_max_ops=2))
+    assert {len(r["answer"].split(" | ")) for r in two} == {1, 2}
     cfg = TaskConfig(strops_max_ops=4, strops_str_len=7, strops_shown=3, strops_hidden=1, strops_alphabet="xyz")
     rows = data.task_rows("strops", "train", 100, cfg=cfg)
     assert {len(r["answer"].split(" | ")) for r in rows} == {1, 2, 3, 4}
