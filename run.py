@@ -927,7 +927,10 @@ def resolve_model(cfg: Config, rank: int, world: int, device) -> str:
         cfg, algo=dataclasses.replace(cfg.algo, name="sft"),
         train=dataclasses.replace(cfg.train, steps=cfg.train.warm_start_steps, eval_every=0, save_every=0, resume=""),
         log=dataclasses.replace(cfg.log, wandb_mode="disabled"))
-    recipe = json.dumps([tiny, dataclasses.asdict(warm.data), dataclasses.asdict(warm.train)], sort_keys=True)
+    # Everything the warm start reads: the data, its SFT flags, the optimizer and the SDPO
+    # templates of its teacher-context examples (the RL-only sections do not matter).
+    recipe = json.dumps([tiny] + [dataclasses.asdict(x) for x in (warm.data, warm.train, warm.optim, warm.sdpo)],
+                        sort_keys=True)
     import hashlib
     path = tiny + "-sft-" + hashlib.sha1(recipe.encode()).hexdigest()[:10]
     if not os.path.exists(os.path.join(path, "final", "config.json")):
