@@ -379,36 +379,39 @@ def microbatch_loss(cfg: Config, policy, teacher: Teacher | None, batch: list[Ro
     teacher_seconds = time.perf_counter() - t0
 
     def head(hidden, weight):
-        current_lp, entropy = token_stats(hidden, weight, packed.targets, temperature, cfg.sdpo.chunk_size)
-        out = {"current_lp": current_lp, "entropy": entropy}
-        if algo == "sdpo":
-            teacher_weight = teacher.head_weight(weight).to(hidden.dtype)
-            th = teacher_hidden.to(hidden.dtype)
-            if cfg.sdpo.distill == "topk" and cfg.sdpo.chunked:
-                out["loss"] = losses.sdpo_topk_loss_from_hidden(
-                    hidden, weight, th, teacher_weight, k=cfg.sdpo.topk, alpha=cfg.sdpo.alpha,
-                    add_tail=cfg.sdpo.add_tail, temperature=temperature, chunk_size=cfg.sdpo.chunk_size)
-            elif cfg.sdpo.distill in ("topk", "full"):
-                student_logits = hidden @ weight.T
-                with torch.no_grad():
-                    teacher_logits = th @ teacher_weight.T
-                if cfg.sdpo.distill == "topk":
-                    s, t, _ = losses.topk_with_tail(student_logits, teacher_logits, cfg.sdpo.topk,
-                                                    cfg.sdpo.add_tail, temperature=temperature)
-                else:
-                    s = (student_logits.float() / temperature).log_softmax(-1)
-                    t = (teacher_logits.float() / temperature).log_softmax(-1)
-                out["loss"] = losses.sdpo_divergence(s, t, cfg.sdpo.alpha)
-            else:
-                student_tok = token_logprobs_with_grad(hidden, weight, packed.targets, temperature)
-                teacher_tok, _ = token_stats(th, teacher_weight, packed.targets, temperature, cfg.sdpo.chunk_size)
-                out["loss"] = losses.sdpo_token_loss(student_tok, teacher_tok)
-        else:
-            out["logprobs"] = token_logprobs_with_grad(hidden, weight, packed.targets, temperature)
+        if algo != "sdpo":  # one pass over the logits gives the log-probs, their detached copy and the entropy
+            logits = (hidden @ weight.T).float()
+            logprobs = losses.token_logprobs(logits, packed.targets, temperature)
+            out = {"logprobs": logprobs, "current_lp": logprobs.detach(),
+                   "entropy": losses.entropy_from_logits(logits.detach(), temperature)}
             if algo == "hybrid":
                 teacher_weight = teacher.head_weight(weight).to(hidden.dtype)
                 out["teacher_lp"], _ = token_stats(teacher_hidden.to(hidden.dtype), teacher_weight, packed.targets,
                                                    temperature, cfg.sdpo.chunk_size)
+            return out
+        current_lp, entropy = token_stats(hidden, weight, packed.targets, temperature, cfg.sdpo.chunk_size)
+        out = {"current_lp": current_lp, "entropy": entropy}
+        teacher_weight = teacher.head_weight(weight).to(hidden.dtype)
+        th = teacher_hidden.to(hidden.dtype)
+        if cfg.sdpo.distill == "topk" and cfg.sdpo.chunked:
+            out["loss"] = losses.sdpo_topk_loss_from_hidden(
+                hidden, weight, th, teacher_weight, k=cfg.sdpo.topk, alpha=cfg.sdpo.alpha,
+                add_tail=cfg.sdpo.add_tail, temperature=temperature, chunk_size=cfg.sdpo.chunk_size)
+        elif cfg.sdpo.distill in ("topk", "full"):
+            student_logits = hidden @ weight.T
+            with torch.no_grad():
+                teacher_logits = th @ teacher_weight.T
+            if cfg.sdpo.distill == "topk":
+                s, t, _ = losses.topk_with_tail(student_logits, teacher_logits, cfg.sdpo.topk,
+                                                cfg.sdpo.add_tail, temperature=temperature)
+            else:
+                s = (student_logits.float() / temperature).log_softmax(-1)
+                t = (teacher_logits.float() / temperature).log_softmax(-1)
+            out["loss"] = losses.sdpo_divergence(s, t, cfg.sdpo.alpha)
+        else:
+            student_tok = token_logprobs_with_grad(hidden, weight, packed.targets, temperature)
+            teacher_tok, _ = token_stats(th, teacher_weight, packed.targets, temperature, cfg.sdpo.chunk_size)
+            out["loss"] = losses.sdpo_token_loss(student_tok, teacher_tok)
         return out
 
     out = policy(*_model_inputs(packed), head)
