@@ -98,7 +98,8 @@ class SdpoArgs(sdpo.SdpoConfig):
     chunk_size: int = 512
     teacher: Literal["ema", "frozen", "trust-region", "live"] = "ema"
     teacher_rate: float = 0.05
-    teacher_micro_batch: int = 16
+    teacher_micro_batch: int = 32
+    share_teacher_prefix: bool = True  # run each distinct teacher prompt once per micro-batch (KV cache reuse)
 
 
 @dataclass
@@ -121,6 +122,7 @@ class TrainConfig:
     warm_start_steps: int = 150  # built-in SFT of the tiny model on the task's references (cached)
     warm_start_batch: int = 32
     warm_start_lr: float = 2e-3
+    warm_start_seed: int = 0  # one warm start serves every RL seed
     # Shares of warm-start examples whose prompt is a teacher context (sdpo.py's templates)
     # with the reference as the correct solution, or with a wrong attempt's feedback: they
     # teach the tiny model to use what SDPO's teacher is shown.
@@ -183,8 +185,19 @@ class CausalLM(torch.nn.Module):
         super().__init__()
         self.hf = hf
 
-    def forward(self, input_ids, attention_mask, hidden_index, head):
-        hidden = self.hf.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def forward(self, input_ids, attention_mask, hidden_index, head, prefix=None):
+        """prefix: (ids, mask, positions, row) of prompts shared by several sequences (see
+        pack_shared_prefix): run once, their KV cache copied to each sequence's row."""
+        past, positions = None, None
+        if prefix is not None:
+            prefix_ids, prefix_mask, prefix_positions, row = prefix
+            past = self.hf.model(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=prefix_positions,
+                                 use_cache=True).past_key_values
+            past.reorder_cache(row)
+            positions = prefix_mask.sum(1)[row, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
+            attention_mask = torch.cat([prefix_mask[row], attention_mask], dim=1)
+        hidden = self.hf.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                               past_key_values=past, use_cache=prefix is not None).last_hidden_state
         return head(hidden.flatten(0, 1)[hidden_index], self.hf.lm_head.weight)
 
 
@@ -236,6 +249,29 @@ class Packed:
 def pack(seqs, response_lens, pad_id, device) -> Packed:
     ids, mask, hidden_index, targets, token_index = data.pack_responses(seqs, response_lens, pad_id, device)
     return Packed(ids, mask, hidden_index, targets, token_index, (len(seqs), max(max(response_lens), 1)))
+
+
+def pack_shared_prefix(seqs, response_lens, pad_id, device) -> tuple:
+    """Model inputs for sequences many of which share their prompt: each distinct prompt
+    (less its last token) once, left-padded, as the prefix; every sequence's suffix (its
+    prompt's last token and response, right-padded) attends to its prefix's KV cache.
+    The response positions are the same as pack()'s: one hidden state per response token."""
+    prompts, row = {}, []
+    for s, r in zip(seqs, response_lens):
+        row.append(prompts.setdefault(tuple(s[:len(s) - r - 1]), len(prompts)))
+    width = max(max(len(p) for p in prompts), 1)
+    prefix_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    prefix_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if p:
+            prefix_ids[i, width - len(p):] = torch.tensor(p)
+            prefix_mask[i, width - len(p):] = 1
+    prefix_positions = (prefix_mask.cumsum(1) - 1).clamp(min=0)
+    suffixes = [s[len(s) - r - 1:] for s, r in zip(seqs, response_lens)]
+    ids, mask, hidden_index, _, _ = data.pack_responses(suffixes, response_lens, pad_id, device)
+    prefix = (prefix_ids.to(device), prefix_mask.to(device), prefix_positions.to(device),
+              torch.tensor(row, dtype=torch.long, device=device))
+    return ids, mask, hidden_index, prefix
 
 
 def to_matrix(values: torch.Tensor, packed: Packed) -> torch.Tensor:
@@ -365,7 +401,8 @@ def microbatch_loss(cfg: Config, policy, teacher: Teacher | None, batch: list[Ro
     """Loss of a micro-batch, normalised by the optimizer step's global counts, and the
     sums of what is logged. old_logprobs: per-rollout trainer log-probs from before the
     update (None when this is the only optimizer step: the current ones, detached)."""
-    algo, temperature = cfg.algo.name, cfg.rollout.temperature
+    algo = cfg.algo.name
+    temperature = 1.0 if algo == "sft" else cfg.rollout.temperature  # SFT fits the plain distribution
     packed = pack([r.prompt_ids + r.response_ids for r in batch], [len(r.response_ids) for r in batch], pad_id, device)
     per_token = lambda values: torch.tensor([v for r in batch for v in values(r)], dtype=torch.float32, device=device)
     rollout_lp = per_token(lambda r: r.rollout_logprobs)
@@ -475,7 +512,10 @@ def teacher_hidden_states(cfg: Config, policy, teacher: Teacher, batch: list[Rol
     calls = torch.tensor([math.ceil(len(used) / cfg.sdpo.teacher_micro_batch)])
     if world > 1:  # ranks differ in how many of their samples have a teacher context
         dist.all_reduce(calls, op=dist.ReduceOp.MAX)
-    forward = lambda model, seqs, lens, head: model(*_model_inputs(pack(seqs, lens, pad_id, device)), head)
+    if cfg.sdpo.share_teacher_prefix and not cfg.model.gradient_checkpointing:  # HF drops the KV cache under it
+        forward = lambda model, seqs, lens, head: _call_shared(model, pack_shared_prefix(seqs, lens, pad_id, device), head)
+    else:
+        forward = lambda model, seqs, lens, head: model(*_model_inputs(pack(seqs, lens, pad_id, device)), head)
     hidden = teacher.hidden(policy, forward, [r.teacher_ids for r in used], [len(r.response_ids) for r in used],
                             cfg.sdpo.teacher_micro_batch, calls=int(calls), dummy_seq=[pad_id, pad_id])
     if len(used) == len(batch):
@@ -489,6 +529,11 @@ def teacher_hidden_states(cfg: Config, policy, teacher: Teacher, batch: list[Rol
         else:
             parts.append(torch.zeros(len(r.response_ids), width, device=device, dtype=hidden.dtype if len(used) else torch.float32))
     return torch.cat(parts)
+
+
+def _call_shared(model, inputs, head):
+    ids, mask, hidden_index, prefix = inputs
+    return model(ids, mask, hidden_index, head, prefix)
 
 
 def _model_inputs(packed: Packed):
@@ -545,7 +590,7 @@ def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
         return metrics
 
     policy = load_policy(model_dir, cfg, world, device)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr if algo != "sft" else cfg.train.warm_start_lr,
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr,
                                   betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / max(cfg.optim.warmup_steps, 1)))
@@ -585,8 +630,7 @@ def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
         t_step = time.perf_counter()
         metrics = {"step": step + 1}
         # 1. sample prompts
-        rows = batch_rows(train_rows, step, cfg.train.prompts_per_step, cfg.train.seed,
-                          cfg.train.warm_start_batch if algo == "sft" else None)
+        rows = batch_rows(train_rows, step, cfg.train.prompts_per_step, cfg.train.seed)
         # 2-4. generate, score, build teacher contexts (rank 0), then share with every rank
         t0 = time.perf_counter()
         if algo == "sft":
@@ -652,7 +696,10 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, teacher, rollouts: 
         teacher.head_weight_source()  # a collective under FSDP2: gathered here, on every rank at once
     for mb_indices in split_evenly(order, cfg.train.mini_batches):
         counts = step_counts([rollouts[i] for i in mb_indices], algo)
-        mine = mb_indices[rank::world]
+        # The order of micro-batches within an optimizer step does not change its gradient:
+        # keep each prompt's samples together so they share their teacher prompt's forward.
+        mb_indices = sorted(mb_indices)
+        mine = rank_share(mb_indices, rank, world)
         micro = [mine[i:i + cfg.train.micro_batch] for i in range(0, len(mine), cfg.train.micro_batch)]
         micro = pad_microbatch_count(micro, mb_indices, cfg.train.micro_batch, world)
         finite = True
@@ -747,9 +794,16 @@ def zero_loss(policy, device, pad_id):
     return out, {}
 
 
+def rank_share(items: list, rank: int, world: int) -> list:
+    """This rank's contiguous part of items (sizes differ by at most one; may be empty)."""
+    size, extra = divmod(len(items), world)
+    start = rank * size + min(rank, extra)
+    return items[start:start + size + (rank < extra)]
+
+
 def pad_microbatch_count(micro, mb_indices, size, world):
     """Every rank must run the same number of forward/backward passes (FSDP collectives)."""
-    most = max(math.ceil(len(mb_indices[r::world]) / size) for r in range(world)) or 1
+    most = max(math.ceil(len(rank_share(mb_indices, r, world)) / size) for r in range(world)) or 1
     return micro + [[] for _ in range(most - len(micro))]
 
 
@@ -794,9 +848,8 @@ def reduce_stats(sums: dict, world: int, algo: str, optimizer_steps: int) -> dic
     return out
 
 
-def batch_rows(rows: list, step: int, per_step: int, seed: int, sft_batch: int | None) -> list:
+def batch_rows(rows: list, step: int, n: int, seed: int) -> list:
     """The prompts of a step: epochs of seeded permutations, so a resumed run sees the same order."""
-    n = sft_batch or per_step
     start = step * n
     out = []
     while len(out) < n:
@@ -926,13 +979,20 @@ def resolve_model(cfg: Config, rank: int, world: int, device) -> str:
     tiny = rank0_call(rank, world, lambda: data.tiny_model_dir(cfg.model.tiny))
     if not cfg.train.warm_start_steps or cfg.algo.name == "sft":
         return tiny
+    # The warm start is `--algo sft` with the train.warm_start_* values; RL-only flags (the
+    # RL lr, seed, prompts per step, ...) are left at their defaults so that runs differing
+    # only in those share one warm start.
     warm = dataclasses.replace(
-        cfg, algo=dataclasses.replace(cfg.algo, name="sft"),
-        train=dataclasses.replace(cfg.train, steps=cfg.train.warm_start_steps, eval_every=0, save_every=0, resume=""),
+        cfg, algo=AlgoConfig(name="sft"), rollout=RolloutConfig(),
+        optim=dataclasses.replace(cfg.optim, lr=cfg.train.warm_start_lr),
+        train=dataclasses.replace(
+            TrainConfig(), steps=cfg.train.warm_start_steps, prompts_per_step=cfg.train.warm_start_batch,
+            micro_batch=cfg.train.micro_batch, seed=cfg.train.warm_start_seed,
+            **{f.name: getattr(cfg.train, f.name) for f in dataclasses.fields(TrainConfig) if f.name.startswith("warm_start")}),
         log=dataclasses.replace(cfg.log, wandb_mode="disabled"))
-    # Everything the warm start reads: the data, its SFT flags, the optimizer and the SDPO
-    # templates of its teacher-context examples (the RL-only sections do not matter).
-    recipe = json.dumps([tiny] + [dataclasses.asdict(x) for x in (warm.data, warm.train, warm.optim, warm.sdpo)],
+    templates = {k: getattr(cfg.sdpo, k) for k in ("reprompt_template", "solution_template", "feedback_template",
+                                                     "max_reprompt_len")}
+    recipe = json.dumps([tiny, templates] + [dataclasses.asdict(x) for x in (warm.data, warm.train, warm.optim)],
                         sort_keys=True)
     import hashlib
     path = tiny + "-sft-" + hashlib.sha1(recipe.encode()).hexdigest()[:10]

@@ -172,6 +172,45 @@ def test_micro_batch_size_does_not_change_gradients(tiny_dir, tokenizer, algo, f
     assert sums_one["tokens"] == sums_four["tokens"]
 
 
+def test_shared_prefix_forward_matches_the_plain_forward(tiny_dir):
+    """Each distinct prompt run once with its KV cache reused gives every sequence the same
+    hidden states at its response positions as running the sequences one by one."""
+    model = run.CausalLM(_policy(tiny_dir, seed=1).hf.eval())
+    g = torch.Generator().manual_seed(0)
+    long, short = torch.randint(5, 1000, (30,), generator=g).tolist(), torch.randint(5, 1000, (7,), generator=g).tolist()
+    seqs, lens = [], []
+    for prompt in (long, short, long, long, [9], short):  # shared, distinct, and a one-token prompt
+        r = int(torch.randint(1, 6, (1,), generator=g))
+        seqs.append(prompt + torch.randint(5, 1000, (r,), generator=g).tolist())
+        lens.append(r)
+    ids, mask, hidden_index, prefix = run.pack_shared_prefix(seqs, lens, 0, CPU)
+    assert prefix[0].shape[0] == 3  # three distinct prompts, each run once
+    identity = lambda hidden, weight: hidden
+    with torch.no_grad():
+        shared = model(ids, mask, hidden_index, identity, prefix)
+        one_by_one = torch.cat([model(*run._model_inputs(run.pack([s], [r], 0, CPU)), identity)
+                                for s, r in zip(seqs, lens)])
+    assert shared.shape == (sum(lens), model.hf.config.hidden_size)
+    torch.testing.assert_close(shared, one_by_one, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("teacher_kind", ["ema", "trust-region"])
+def test_shared_teacher_prefix_gives_the_same_gradients(tiny_dir, tokenizer, teacher_kind):
+    shared, sums_shared, _ = _grads(tiny_dir, tokenizer, "sdpo", 4, teacher_kind=teacher_kind)
+    plain, sums_plain, _ = _grads(tiny_dir, tokenizer, "sdpo", 4, teacher_kind=teacher_kind, share_teacher_prefix=False)
+    assert sums_shared["divergence_sum"] > 0
+    assert sums_shared["divergence_sum"] == pytest.approx(sums_plain["divergence_sum"], rel=1e-4)
+    for name in plain[0]:
+        torch.testing.assert_close(shared[0][name], plain[0][name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_rank_shares_are_contiguous_and_cover_everything():
+    items = list(range(11))
+    shares = [run.rank_share(items, r, 3) for r in range(3)]
+    assert shares == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+    assert [run.rank_share([1], r, 2) for r in range(2)] == [[1], []]
+
+
 def test_mini_batches_take_several_optimizer_steps(tiny_dir, tokenizer):
     grads, _, norms = _grads(tiny_dir, tokenizer, "sdpo", 4, mini_batches=3)
     assert len(grads) == len(norms) == 3
