@@ -119,15 +119,15 @@ class TrainConfig:
     mini_batches: int = 1  # optimizer steps per rollout batch
     micro_batch: int = 32  # sequences per forward/backward on each rank
     seed: int = 0
-    warm_start_steps: int = 150  # built-in SFT of the tiny model on the task's references (cached)
+    warm_start_steps: int = 300  # built-in SFT of the tiny model on the task's references (cached)
     warm_start_batch: int = 32
     warm_start_lr: float = 2e-3
     warm_start_seed: int = 0  # one warm start serves every RL seed
     # Shares of warm-start examples whose prompt is a teacher context (sdpo.py's templates)
     # with the reference as the correct solution, or with a wrong attempt's feedback: they
     # teach the tiny model to use what SDPO's teacher is shown.
-    warm_start_demo_frac: float = 0.3
-    warm_start_feedback_frac: float = 0.2
+    warm_start_demo_frac: float = 0.7
+    warm_start_feedback_frac: float = 0.1
     eval_every: int = 10  # and at the start and the end; 0: never
     save_every: int = 0  # torch.distributed.checkpoint every N steps; 0: only the final HF model
     resume: str = ""  # a checkpoint directory written by save_every
@@ -154,6 +154,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval_only: bool = False  # evaluate --model.path (avg@k, length, truncation) and exit
+    # Test-time self-distillation (paper section 5): train on each of this many held-out prompts
+    # that the initial model fails, alone, and compare discovery with best-of-k; 0: off
+    ttt_prompts: int = 0
 
 
 # ----------------------------------------------------------------------------------------
@@ -566,7 +569,7 @@ def step_counts(rollouts: list[Rollout], algo: str) -> dict:
 def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
     """Run cfg.algo on the model in model_dir; returns the last logged metrics."""
     from transformers import AutoTokenizer
-    from rollout import Engine, probe_ids
+    from rollout import Engine
     algo = cfg.algo.name
     torch.manual_seed(cfg.train.seed)
     os.makedirs(cfg.log.out_dir, exist_ok=True)
@@ -589,33 +592,13 @@ def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
         logger.close()
         return metrics
 
-    policy = load_policy(model_dir, cfg, world, device)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr,
-                                  betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / max(cfg.optim.warmup_steps, 1)))
-    teacher = None
-    if algo in ("sdpo", "hybrid"):
-        needs_copy = cfg.sdpo.teacher != "live"
-        teacher_copy = load_policy(model_dir, cfg, world, device) if needs_copy else None
-        teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate, teacher_copy)
-    probe = probe_ids(tokenizer)
-    last_engine_probe = None
+    if cfg.ttt_prompts:
+        return test_time_self_distillation(cfg, model_dir, engine, tokenizer, eval_rows, logger, rank, world, device)
+    policy, optimizer, scheduler, teacher = build_trainer(cfg, model_dir, world, device)
     start_step = 0
     if cfg.train.resume:
         start_step = load_checkpoint(cfg.train.resume, policy, optimizer, teacher)
-
-    def sync() -> dict:
-        nonlocal last_engine_probe
-        t0 = time.perf_counter()
-        state = full_state_dict(policy, world)
-        probe_packed = pack([probe], [len(probe) - 1], pad_id, device)
-        with torch.no_grad():
-            probe_lp = policy(*_model_inputs(probe_packed), lambda h, w: token_stats(h, w, probe_packed.targets, 1.0)[0])
-        reshard(policy)
-        tol = cfg.rollout.sync_tol or (1e-3 if engine_dtype(cfg, device) == "float32" else 1.0)
-        result = rank0_call(rank, world, lambda: engine.update_weights(state, probe, probe_lp.cpu(), tol))
-        return {"sync/seconds": time.perf_counter() - t0, "sync/probe_max_abs_diff": result.probe_max_abs_diff}
+    sync = lambda: sync_engine(cfg, engine, policy, tokenizer, rank, world, device)
 
     if start_step > 0 and algo != "sft":
         sync()
@@ -673,6 +656,93 @@ def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
     if engine is not None:
         engine.close()
     return metrics
+
+
+def test_time_self_distillation(cfg: Config, model_dir: str, engine, tokenizer, rows: list, logger, rank: int,
+                                world: int, device) -> dict:
+    """Paper section 5: repeated SDPO steps on one hard question alone, against best-of-k.
+
+    Hard questions: the first --ttt_prompts held-out rows with no success among
+    --rollout.eval_k samples of the initial model at --rollout.temperature. For each, from
+    the initial weights: best-of-k draws k = train.steps * rollout.n samples; self-distillation
+    runs up to train.steps steps of rollout.n samples on the question alone (teacher contexts
+    from the feedback, and from a success once there is one). Each logs the generations
+    until its first success (-1: none within k); the summary is discovery@k, the fraction of
+    questions solved within k generations, for k = n, 2n, ..., train.steps * n.
+    """
+    n, steps = cfg.rollout.n, cfg.train.steps
+    budget, pad_id = n * steps, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    first_success = lambda rollouts: next((i + 1 for i, r in enumerate(rollouts)
+                                           if r.reward >= cfg.sdpo.success_threshold), None)
+    screen = rank0_call(rank, world, lambda: generate_and_score(
+        engine, tokenizer, rows, cfg, cfg.train.seed * 1000 + 999_999, cfg.rollout.eval_k, cfg.rollout.temperature))
+    k = cfg.rollout.eval_k
+    hard = [row for i, row in enumerate(rows) if first_success(screen[i * k:(i + 1) * k]) is None][:cfg.ttt_prompts]
+    if rank == 0 and len(hard) < cfg.ttt_prompts:
+        print(f"ttt: only {len(hard)} of {len(rows)} held-out prompts have no success in {k} samples", file=sys.stderr)
+    found = {"ttt": [], "best_of_k": []}
+    for i, row in enumerate(hard):
+        policy, optimizer, scheduler, teacher = build_trainer(cfg, model_dir, world, device)
+        metrics = sync_engine(cfg, engine, policy, tokenizer, rank, world, device)  # the initial weights again
+        best = rank0_call(rank, world, lambda: generate_and_score(
+            engine, tokenizer, [row], cfg, cfg.train.seed * 1000 + 500_000 + i, budget, cfg.rollout.temperature))
+        found["best_of_k"].append(first_success(best))
+        found["ttt"].append(None)
+        for step in range(steps):
+            rollouts, step_metrics = rank0_call(rank, world, lambda: prepare_rollouts(
+                engine, tokenizer, [row], cfg, (i + 1) * 1000 + step, {}))
+            at = first_success(rollouts)
+            if at is not None:
+                found["ttt"][-1] = step * n + at
+                break
+            _, stepped, _, _ = update_policy(cfg, policy, optimizer, scheduler, teacher, rollouts, step, pad_id,
+                                             device, rank, world, [0])
+            if teacher is not None:
+                teacher.update(policy, stepped)
+            metrics.update(sync_engine(cfg, engine, policy, tokenizer, rank, world, device))
+        logger.log(i + 1, {"ttt/prompt": i, "ttt/discovered_at": found["ttt"][-1] or -1,
+                           "best_of_k/discovered_at": found["best_of_k"][-1] or -1,
+                           "sync/probe_max_abs_diff": metrics["sync/probe_max_abs_diff"]})
+    summary = {"ttt/prompts": len(hard)}
+    for kind, ats in found.items():
+        for j in range(1, steps + 1):
+            summary[f"{kind}/discovery@{j * n}"] = sum(a is not None and a <= j * n for a in ats) / max(len(ats), 1)
+    logger.log(len(hard) + 1, summary)
+    logger.close()
+    engine.close()
+    return summary
+
+
+def build_trainer(cfg: Config, model_dir: str, world: int, device):
+    """Policy (FSDP2-sharded when world > 1), AdamW with linear warmup, and the teacher."""
+    policy = load_policy(model_dir, cfg, world, device)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr,
+                                  betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / max(cfg.optim.warmup_steps, 1)))
+    teacher = None
+    if cfg.algo.name in ("sdpo", "hybrid"):
+        needs_copy = cfg.sdpo.teacher != "live"
+        teacher_copy = load_policy(model_dir, cfg, world, device) if needs_copy else None
+        teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate, teacher_copy)
+    return policy, optimizer, scheduler, teacher
+
+
+def sync_engine(cfg: Config, engine, policy, tokenizer, rank: int, world: int, device) -> dict:
+    """Load the policy's weights into the engine and prove it: the engine's log-probs of a
+    fixed probe must match the trainer's within --rollout.sync_tol (rollout.py)."""
+    from rollout import probe_ids
+    t0 = time.perf_counter()
+    state = full_state_dict(policy, world)
+    probe = probe_ids(tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    probe_packed = pack([probe], [len(probe) - 1], pad_id, device)
+    with torch.no_grad():
+        probe_lp = policy(*_model_inputs(probe_packed), lambda h, w: token_stats(h, w, probe_packed.targets, 1.0)[0])
+    reshard(policy)
+    tol = cfg.rollout.sync_tol or (1e-3 if engine_dtype(cfg, device) == "float32" else 1.0)
+    result = rank0_call(rank, world, lambda: engine.update_weights(state, probe, probe_lp.cpu(), tol))
+    return {"sync/seconds": time.perf_counter() - t0, "sync/probe_max_abs_diff": result.probe_max_abs_diff}
 
 
 def engine_dtype(cfg: Config, device) -> str:

@@ -374,3 +374,23 @@ def test_single_process_run_with_checkpoint_and_resume(tmp_path):
     # same weights, same prompts, same sampling seed: the same rollouts
     assert second[0]["reward/mean"] == first[1]["reward/mean"]
     assert second[0]["response/length_mean"] == first[1]["response/length_mean"]
+
+
+@pytest.mark.slow
+def test_test_time_self_distillation_mode(tmp_path):
+    """--ttt_prompts: held-out prompts the model fails in eval_k samples, each trained on
+    alone from the initial weights; discovery@k agrees with the per-prompt records."""
+    reward = tmp_path / "coin.py"
+    reward.write_text("def reward(response, row, truncated):\n    return float(len(response) % 2 == 1)\n")
+    out = str(tmp_path / "ttt")
+    _run(SMALL + ["--ttt_prompts=3", "--train.steps=2", "--rollout.n=4", "--data.eval_rows=12",
+                  f"--data.reward={reward}:reward", f"--log.out_dir={out}"])
+    records = _metrics(out)
+    per_prompt, summary = records[:-1], records[-1]
+    assert 1 <= summary["ttt/prompts"] == len(per_prompt) <= 3
+    for kind in ("ttt", "best_of_k"):
+        found = [r[f"{kind}/discovered_at"] for r in per_prompt]
+        assert all(f == -1 or 1 <= f <= 8 for f in found)
+        for k in (4, 8):
+            assert summary[f"{kind}/discovery@{k}"] == sum(0 < f <= k for f in found) / len(found)
+    assert all(r["sync/probe_max_abs_diff"] < 1e-3 for r in per_prompt)

@@ -1,0 +1,142 @@
+"""Sample efficiency: SDPO against GRPO at equal generation budgets, several seeds.
+
+    python bench/learning.py [--tasks strops,arith] [--seeds 3] [--steps 30] [--eval_every 5]
+                             [--out runs/bench-learning] [--launcher "torchrun --nproc_per_node=4"]
+                             [extra run.py flags, e.g. --model.path=/models/qwen3-8b --data.task=...]
+
+For each task, both algorithms and every seed start from the same checkpoint: the tiny
+model's cached warm start (built here once per task), or --model.path. Each run is a plain
+`run.py` process with the same flags except --algo and --train.seed, so it measures what a
+user would get. Eval success (avg@k on held-out rows, run.py's eval/success_rate) is read
+against generations consumed (steps x prompts per step x n).
+
+Writes into --out: learning_<task>.png (mean and min-max band over seeds), learning.md (the
+table), runs/ (every run's metrics.jsonl), and prints per task
+
+    RESULT task=... grpo_final=... sdpo_final=... sdpo_gens_to_match_grpo_final_ratio=...
+
+The ratio is the generations SDPO's mean curve needs to reach GRPO's mean final eval success
+(linear interpolation between eval points) over GRPO's total; "inf" if it never does.
+"""
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+ALGOS = ("grpo", "sdpo")
+
+
+def warm_start(flags: list[str]) -> str:
+    """The checkpoint every run starts from: --model.path, or the tiny model's warm start."""
+    import torch
+    import run
+    cfg = run.parse_config(flags)
+    return run.resolve_model(cfg, 0, 1, torch.device("cpu"))
+
+
+def run_one(launcher: list[str], flags: list[str], out_dir: str) -> list[dict]:
+    cmd = launcher + [os.path.join(ROOT, "run.py")] + flags + [
+        f"--log.out_dir={out_dir}", "--log.wandb_mode=disabled", "--log.progress=False"]
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "stdout.log"), "w") as log:
+        done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise SystemExit(f"run failed ({done.returncode}): {shlex.join(cmd)}; see {out_dir}/stdout.log")
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def curve(records: list[dict], gens_per_step: int) -> list[tuple[int, float]]:
+    return [(r["step"] * gens_per_step, r["eval/success_rate"]) for r in records if "eval/success_rate" in r]
+
+
+def gens_to_reach(points: list[tuple[int, float]], target: float) -> float:
+    """Generations at which a curve first reaches target, interpolating linearly."""
+    for (g0, s0), (g1, s1) in zip(points, points[1:]):
+        if s1 >= target:
+            return g0 if s0 >= target else g0 + (g1 - g0) * (target - s0) / (s1 - s0)
+    return float("inf") if not points or points[0][1] < target else points[0][0]
+
+
+def mean_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[int, float, float, float]]:
+    """(gens, mean, min, max) over seeds at the eval points all runs share."""
+    out = []
+    for points in zip(*curves):
+        values = [s for _, s in points]
+        out.append((points[0][0], sum(values) / len(values), min(values), max(values)))
+    return out
+
+
+def plot(path: str, task: str, summary: dict):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for algo, points in summary.items():
+        gens = [p[0] for p in points]
+        line, = ax.plot(gens, [p[1] for p in points], marker="o", label=algo.upper())
+        ax.fill_between(gens, [p[2] for p in points], [p[3] for p in points], alpha=0.2, color=line.get_color())
+    ax.set_xlabel("generations")
+    ax.set_ylabel("held-out success (avg@k)")
+    ax.set_title(f"{task}: mean and min-max over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", default="strops,arith")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--eval_every", type=int, default=5)
+    parser.add_argument("--out", default="runs/bench-learning")
+    parser.add_argument("--launcher", default=sys.executable, help="e.g. 'torchrun --nproc_per_node=4'")
+    args, extra = parser.parse_known_args()
+    launcher = shlex.split(args.launcher)
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.time()
+    table = ["| task | algo | held-out success at N generations: mean [min, max] over seeds |", "|---|---|---|"]
+    results = []
+    for task in args.tasks.split(","):
+        task_flags = [f"--data.task={task}"] + extra
+        start = warm_start(task_flags)
+        import run
+        cfg = run.parse_config(task_flags)
+        gens_per_step = cfg.train.prompts_per_step * cfg.rollout.n
+        curves = {}
+        for algo in ALGOS:
+            curves[algo] = []
+            for seed in range(args.seeds):
+                flags = task_flags + [f"--model.path={start}", f"--algo={algo}", f"--train.seed={seed}",
+                                      f"--train.steps={args.steps}", f"--train.eval_every={args.eval_every}"]
+                t0 = time.time()
+                records = run_one(launcher, flags, os.path.join(args.out, "runs", f"{task}-{algo}-seed{seed}"))
+                curves[algo].append(curve(records, gens_per_step))
+                print(f"{task} {algo} seed {seed}: {[round(s, 3) for _, s in curves[algo][-1]]} "
+                      f"({time.time() - t0:.0f}s)", flush=True)
+        summary = {algo: mean_curve(c) for algo, c in curves.items()}
+        plot(os.path.join(args.out, f"learning_{task}.png"), task, summary)
+        for algo, points in summary.items():
+            cells = ", ".join(f"{g}: {m:.3f} [{lo:.3f}, {hi:.3f}]" for g, m, lo, hi in points)
+            table.append(f"| {task} | {algo} | {cells} |")
+        grpo_final, sdpo_final = summary["grpo"][-1][1], summary["sdpo"][-1][1]
+        ratio = gens_to_reach([(g, m) for g, m, _, _ in summary["sdpo"]], grpo_final) / summary["grpo"][-1][0]
+        results.append(f"RESULT task={task} grpo_final={grpo_final:.3f} sdpo_final={sdpo_final:.3f} "
+                       f"sdpo_gens_to_match_grpo_final_ratio={ratio:.3f}")
+    with open(os.path.join(args.out, "learning.md"), "w") as f:
+        f.write("\n".join(table) + "\n\n" + "\n".join(results) + "\n")
+    print("\n".join(table))
+    print(f"total {time.time() - t_start:.0f}s")
+    print("\n".join(results))
+
+
+if __name__ == "__main__":
+    main()
