@@ -154,6 +154,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval_only: bool = False  # evaluate --model.path (avg@k, length, truncation) and exit
+    teacher_gap: bool = False  # with eval_only: also success with the reference as a demonstration / with feedback
     # Test-time self-distillation (paper section 5): train on each of this many held-out prompts
     # that the initial model fails, alone, and compare discovery with best-of-k; 0: off
     ttt_prompts: int = 0
@@ -342,9 +343,11 @@ def rank0_call(rank: int, world: int, fn, share: bool = True):
     return result
 
 
-def generate_and_score(engine, tokenizer, rows, cfg: Config, seed: int, n: int, temperature: float):
-    """Sample n responses per row and score them; one Rollout per sample, grouped by row."""
-    prompts = [data.chat_prompt_ids(tokenizer, r["messages"], cfg.data.max_prompt_len) for r in rows]
+def generate_and_score(engine, tokenizer, rows, cfg: Config, seed: int, n: int, temperature: float,
+                       prompts: list | None = None):
+    """Sample n responses per row and score them; one Rollout per sample, grouped by row.
+    prompts: token ids to use instead of the rows' chat prompts."""
+    prompts = prompts or [data.chat_prompt_ids(tokenizer, r["messages"], cfg.data.max_prompt_len) for r in rows]
     groups = engine.generate(prompts, n=n, temperature=temperature, max_tokens=cfg.rollout.max_tokens, seed=seed)
     rollouts = [Rollout(row=row, prompt_ids=s.prompt_ids, response_ids=s.response_ids, rollout_logprobs=s.logprobs,
                         text=s.text, truncated=s.truncated) for row, samples in zip(rows, groups) for s in samples]
@@ -361,11 +364,44 @@ def evaluate(engine, tokenizer, rows, cfg: Config, seed: int) -> dict:
     rollouts = generate_and_score(engine, tokenizer, rows, cfg, seed, cfg.rollout.eval_k, cfg.rollout.eval_temperature)
     n = max(len(rollouts), 1)
     return {
-        "eval/success_rate": sum(r.reward >= cfg.sdpo.success_threshold for r in rollouts) / n,
+        "eval/success_rate": success_rate(rollouts, cfg),
         "eval/reward_mean": sum(r.reward for r in rollouts) / n,
         "eval/response_length": sum(len(r.response_ids) for r in rollouts) / n,
         "eval/truncated_frac": sum(r.truncated for r in rollouts) / n,
     }
+
+
+def teacher_context_ids(tokenizer, row: dict, kind: str, rng: random.Random, cfg: Config) -> list[int] | None:
+    """The row's prompt as SDPO's teacher sees it: with the reference as the demonstration
+    ("demonstration"), or with the feedback on a plausible wrong attempt ("feedback"; None
+    when the task has no wrong-answer generator or the feedback is empty)."""
+    if kind == "demonstration":
+        return sdpo.teacher_prompt_ids(tokenizer, row["messages"], row["reference"], None, cfg.sdpo)
+    wrong = data.wrong_response(row, rng)
+    if wrong is None:
+        return None
+    reward = feedback.score(feedback.get_reward_fn(cfg.data.reward or row["reward"]), wrong, row, False)
+    return sdpo.teacher_prompt_ids(tokenizer, row["messages"], None, reward.feedback, cfg.sdpo) if reward.feedback else None
+
+
+def teacher_gap(engine, tokenizer, rows, cfg: Config, seed: int) -> dict:
+    """What SDPO relies on (the paper: it needs in-context ability): eval success of the
+    model shown the reference as a demonstration, and shown a wrong attempt's feedback,
+    next to eval/success_rate on the bare prompts."""
+    rng, out = random.Random(seed), {}
+    for kind in ("demonstration", "feedback"):
+        pairs = [(row, teacher_context_ids(tokenizer, row, kind, rng, cfg)) for row in rows if row.get("reference")]
+        pairs = [(row, ids) for row, ids in pairs if ids is not None]
+        if pairs:
+            rollouts = generate_and_score(engine, tokenizer, [r for r, _ in pairs], cfg, seed, cfg.rollout.eval_k,
+                                          cfg.rollout.eval_temperature, prompts=[ids for _, ids in pairs])
+            out[f"eval/success_rate_with_{kind}"] = success_rate(rollouts, cfg)
+            out[f"eval/rows_with_{kind}"] = len(pairs)
+    return out
+
+
+def success_rate(rollouts, cfg: Config) -> float:
+    return sum(r.reward >= cfg.sdpo.success_threshold for r in rollouts) / max(len(rollouts), 1)
 
 
 def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
@@ -382,12 +418,9 @@ def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
         response = tokenizer(row["reference"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         draw, prompt = rng.random(), None
         if draw < cfg.train.warm_start_demo_frac:
-            prompt = sdpo.teacher_prompt_ids(tokenizer, row["messages"], row["reference"], None, cfg.sdpo)
+            prompt = teacher_context_ids(tokenizer, row, "demonstration", rng, cfg)
         elif draw < cfg.train.warm_start_demo_frac + cfg.train.warm_start_feedback_frac:
-            wrong = data.wrong_response(row, rng)
-            if wrong is not None:
-                reward = feedback.score(feedback.get_reward_fn(row["reward"]), wrong, row, False)
-                prompt = sdpo.teacher_prompt_ids(tokenizer, row["messages"], None, reward.feedback or None, cfg.sdpo)
+            prompt = teacher_context_ids(tokenizer, row, "feedback", rng, cfg)
         if prompt is None:
             prompt = data.chat_prompt_ids(tokenizer, row["messages"], cfg.data.max_prompt_len)
         out.append(Rollout(row=row, prompt_ids=prompt, response_ids=response, rollout_logprobs=[0.0] * len(response),
@@ -588,6 +621,8 @@ def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
     logger = Logger(cfg, rank)
     if cfg.eval_only:
         metrics = rank0_call(rank, world, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))
+        if cfg.teacher_gap:
+            metrics.update(rank0_call(rank, world, lambda: teacher_gap(engine, tokenizer, eval_rows, cfg, cfg.train.seed)))
         logger.log(0, metrics)
         logger.close()
         return metrics
@@ -1062,7 +1097,8 @@ def resolve_model(cfg: Config, rank: int, world: int, device) -> str:
         log=dataclasses.replace(cfg.log, wandb_mode="disabled"))
     templates = {k: getattr(cfg.sdpo, k) for k in ("reprompt_template", "solution_template", "feedback_template",
                                                      "max_reprompt_len")}
-    recipe = json.dumps([tiny, templates] + [dataclasses.asdict(x) for x in (warm.data, warm.train, warm.optim)],
+    train_data = {k: v for k, v in dataclasses.asdict(warm.data).items() if k not in ("eval_rows", "eval_path")}
+    recipe = json.dumps([tiny, templates, train_data] + [dataclasses.asdict(x) for x in (warm.train, warm.optim)],
                         sort_keys=True)
     import hashlib
     path = tiny + "-sft-" + hashlib.sha1(recipe.encode()).hexdigest()[:10]
