@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -42,7 +43,8 @@ def warm_start(flags: list[str]) -> str:
 def run_one(launcher: list[str], flags: list[str], out_dir: str) -> list[dict]:
     cmd = launcher + [os.path.join(ROOT, "run.py")] + flags + [
         f"--log.out_dir={out_dir}", "--log.wandb_mode=disabled", "--log.progress=False"]
-    os.makedirs(out_dir, exist_ok=True)
+    shutil.rmtree(out_dir, ignore_errors=True)  # run.py appends to metrics.jsonl (resumes continue it)
+    os.makedirs(out_dir)
     with open(os.path.join(out_dir, "stdout.log"), "w") as log:
         done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode:
@@ -95,8 +97,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", default="strops,arith")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--eval_every", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--eval_every", type=int, default=10)
     parser.add_argument("--out", default="runs/bench-learning")
     parser.add_argument("--launcher", default=sys.executable, help="e.g. 'torchrun --nproc_per_node=4'")
     args, extra = parser.parse_known_args()

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -35,7 +36,8 @@ def main():
         f"--ttt_prompts={args.prompts}", f"--train.steps={args.steps}", f"--rollout.n={args.n}",
         "--rollout.eval_k=16", f"--log.out_dir={args.out}", "--log.wandb_mode=disabled",
         "--log.progress=False"] + extra  # later flags win
-    os.makedirs(args.out, exist_ok=True)
+    shutil.rmtree(args.out, ignore_errors=True)  # run.py appends to metrics.jsonl
+    os.makedirs(args.out)
     with open(os.path.join(args.out, "stdout.log"), "w") as log:
         done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode:
