@@ -109,6 +109,7 @@ def main():
     results = []
     for task in args.tasks.split(","):
         task_flags = [f"--data.task={task}"] + extra
+        name = os.path.splitext(os.path.basename(task))[0]  # a synthetic task's name, or the data file's
         start = warm_start(task_flags)
         import run
         cfg = run.parse_config(task_flags)
@@ -120,18 +121,18 @@ def main():
                 flags = task_flags + [f"--model.path={start}", f"--algo={algo}", f"--train.seed={seed}",
                                       f"--train.steps={args.steps}", f"--train.eval_every={args.eval_every}"]
                 t0 = time.time()
-                records = run_one(launcher, flags, os.path.join(args.out, "runs", f"{task}-{algo}-seed{seed}"))
+                records = run_one(launcher, flags, os.path.join(args.out, "runs", f"{name}-{algo}-seed{seed}"))
                 curves[algo].append(curve(records, gens_per_step))
-                print(f"{task} {algo} seed {seed}: {[round(s, 3) for _, s in curves[algo][-1]]} "
+                print(f"{name} {algo} seed {seed}: {[round(s, 3) for _, s in curves[algo][-1]]} "
                       f"({time.time() - t0:.0f}s)", flush=True)
         summary = {algo: mean_curve(c) for algo, c in curves.items()}
-        plot(os.path.join(args.out, f"learning_{task}.png"), task, summary)
+        plot(os.path.join(args.out, f"learning_{name}.png"), name, summary)
         for algo, points in summary.items():
             cells = ", ".join(f"{g}: {m:.3f} [{lo:.3f}, {hi:.3f}]" for g, m, lo, hi in points)
-            table.append(f"| {task} | {algo} | {cells} |")
+            table.append(f"| {name} | {algo} | {cells} |")
         grpo_final, sdpo_final = summary["grpo"][-1][1], summary["sdpo"][-1][1]
         ratio = gens_to_reach([(g, m) for g, m, _, _ in summary["sdpo"]], grpo_final) / summary["grpo"][-1][0]
-        results.append(f"RESULT task={task} grpo_final={grpo_final:.3f} sdpo_final={sdpo_final:.3f} "
+        results.append(f"RESULT task={name} grpo_final={grpo_final:.3f} sdpo_final={sdpo_final:.3f} "
                        f"sdpo_gens_to_match_grpo_final_ratio={ratio:.3f}")
     with open(os.path.join(args.out, "learning.md"), "w") as f:
         f.write("\n".join(table) + "\n\n" + "\n".join(results) + "\n")

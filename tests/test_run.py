@@ -394,3 +394,33 @@ def test_test_time_self_distillation_mode(tmp_path):
         for k in (4, 8):
             assert summary[f"{kind}/discovery@{k}"] == sum(0 < f <= k for f in found) / len(found)
     assert all(r["sync/probe_max_abs_diff"] < 1e-3 for r in per_prompt)
+
+
+class CopyingEngine:
+    """Answers with the demonstration when its prompt shows one, else with a wrong program."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.prompts = tokenizer, []
+
+    def generate(self, prompts, n, temperature, max_tokens, seed):
+        out = []
+        for p in prompts:
+            self.prompts.append(self.tokenizer.decode(p))
+            shown = self.prompts[-1].split("Correct solution:\n\n")
+            text = shown[1].split("\n")[0] if len(shown) > 1 else "Program: nonsense"
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+            out.append([Sample(p, ids, [-1.0] * len(ids), text, False) for _ in range(n)])
+        return out
+
+
+def test_teacher_gap_scores_the_model_shown_a_demonstration_and_feedback(tokenizer):
+    cfg = run.parse_config(["--rollout.eval_k=2"])
+    rows = data.task_rows("strops", "test", 5)
+    engine = CopyingEngine(tokenizer)
+    gap = run.teacher_gap(engine, tokenizer, rows, cfg, seed=0)
+    assert gap["eval/success_rate_with_demonstration"] == 1.0 and gap["eval/rows_with_demonstration"] == 5
+    assert gap["eval/success_rate_with_feedback"] == 0.0 and gap["eval/rows_with_feedback"] == 5
+    demo_prompts, feedback_prompts = engine.prompts[:5], engine.prompts[5:]
+    assert all(row["reference"] in p and "Correctly solve the original question." in p
+               for row, p in zip(rows, demo_prompts))
+    assert all("feedback from your unsuccessful earlier attempt" in p and "Expected:" in p for p in feedback_prompts)
