@@ -1095,7 +1095,8 @@ def resolve_model(cfg: Config, rank: int, world: int, device) -> str:
     warm = dataclasses.replace(
         cfg, algo=AlgoConfig(name="sft"), rollout=RolloutConfig(),
         optim=dataclasses.replace(cfg.optim, lr=cfg.train.warm_start_lr),
-        train=dataclasses.replace(cfg.train, **warm_train), log=dataclasses.replace(cfg.log, wandb_mode="disabled"))
+        train=dataclasses.replace(cfg.train, **warm_train), log=dataclasses.replace(cfg.log, wandb_mode="disabled"),
+        eval_only=False, ttt_prompts=0)  # those modes are for the RL run, not its warm start
     templates = {k: getattr(cfg.sdpo, k) for k in ("reprompt_template", "solution_template", "feedback_template",
                                                      "max_reprompt_len")}
     train_data = {k: v for k, v in dataclasses.asdict(warm.data).items() if k not in ("eval_rows", "eval_path")}

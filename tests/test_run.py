@@ -424,3 +424,27 @@ def test_teacher_gap_scores_the_model_shown_a_demonstration_and_feedback(tokeniz
     assert all(row["reference"] in p and "Correctly solve the original question." in p
                for row, p in zip(rows, demo_prompts))
     assert all("feedback from your unsuccessful earlier attempt" in p and "Expected:" in p for p in feedback_prompts)
+
+
+def test_warm_start_is_plain_sft_and_shared_across_rl_flags(tiny_dir, monkeypatch, tmp_path):
+    """The warm start ignores RL-only flags and the eval/TTT modes (a mode inherited by
+    the warm start would evaluate instead of training it), and its cache key agrees."""
+    calls = []
+
+    def fake_train(cfg, model_dir, rank, world, device):
+        calls.append(cfg)
+        os.makedirs(os.path.join(cfg.log.out_dir, "final"))
+        open(os.path.join(cfg.log.out_dir, "final", "config.json"), "w").close()
+
+    monkeypatch.setattr(run, "train", fake_train)
+    monkeypatch.setattr(data, "tiny_model_dir", lambda cfg=None: str(tmp_path / "tiny"))
+    first = run.resolve_model(run.parse_config(["--eval_only=True", "--ttt_prompts=4", "--optim.lr=0.5",
+                                                "--train.seed=7", "--train.mini_batches=8", "--data.eval_rows=9"]),
+                              0, 1, CPU)
+    warm = calls[0]
+    assert (warm.algo.name, warm.eval_only, warm.ttt_prompts) == ("sft", False, 0)
+    assert (warm.optim.lr, warm.train.seed, warm.train.mini_batches) == (2e-3, 0, 1)
+    assert warm.train.steps == 300 and warm.train.prompts_per_step == 32
+    assert run.resolve_model(run.parse_config([]), 0, 1, CPU) == first and len(calls) == 1  # cached
+    run.resolve_model(run.parse_config(["--train.warm_start_lr=1e-3"]), 0, 1, CPU)
+    assert len(calls) == 2  # a flag the warm start reads makes a new one
