@@ -232,7 +232,7 @@ def test_no_success_and_no_feedback_gives_zero_sdpo_loss(tiny_dir, tokenizer):
 
 
 def test_nonfinite_losses_skip_steps_then_stop(tiny_dir, tokenizer, monkeypatch):
-    cfg = run.parse_config(["--algo=grpo", "--train.max_nonfinite_steps=2"])
+    cfg = run.parse_config(["--algo=grpo", "--train.max_nonfinite_steps=2", "--train.mini_batches=1"])
     policy = _policy(tiny_dir)
     recorder = GradRecorder(policy)
     real = run.microbatch_loss
