@@ -36,7 +36,7 @@ def warm_start(flags: list[str]) -> str:
     """The checkpoint every run starts from: --model.path, or the tiny model's warm start."""
     import torch
     import run
-    cfg = run.parse_config(flags)
+    cfg = run.parse_config(flags + ["--log.progress=False"])  # no progress bar in the bench's output
     return run.resolve_model(cfg, 0, 1, torch.device("cpu"))
 
 
