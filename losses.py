@@ -312,7 +312,7 @@ def kl_estimate(logprobs, ref_logprobs, kind="k3"):
         k1   d
         abs  |d|
         k2   d^2 / 2                     ("mse")
-        k3   exp(-d) + d - 1             ("low_var_kl"; -d clamped to +-20, value to +-10)
+        k3   exp(-d) + d - 1             ("low_var_kl"; -d clamped to +-20, value to [0, 10])
         "<kind>+"  value of <kind>, gradient of k2: k2 + sg(value - k2)
 
     logprobs, ref_logprobs [...] -> [...]. The reference side is detached. k3 is >= 0.
@@ -333,7 +333,8 @@ def kl_estimate(logprobs, ref_logprobs, kind="k3"):
         value = 0.5 * log_ratio.square()
     elif base == "k3":
         neg_log_ratio = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        value = (torch.exp(neg_log_ratio) - neg_log_ratio - 1.0).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
+        # expm1: exp(y) - 1 - y cancels to -1e-16 for |y| ~ 1e-12; the estimator is >= 0
+        value = (torch.expm1(neg_log_ratio) - neg_log_ratio).clamp(0.0, K3_VALUE_CLAMP)
     else:
         raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_KINDS}, optionally with '+'")
     if not straight_through:
