@@ -274,10 +274,10 @@ def truncate_middle(ids: list[int], max_len: int, keep_tail: int = 0) -> list[in
     return list(ids[:head]) + list(ids[len(ids) - (room - head) - keep_tail:])
 
 
-def pad_left(seqs: list[list[int]], pad_id: int):
+def pad_left(seqs: list[list[int]], pad_id: int, min_width: int = 0):
     """Left-padded [B, L] input ids and attention mask (LongTensor), for prompt batches."""
     import torch
-    width = max(len(s) for s in seqs)
+    width = max(max(len(s) for s in seqs), min_width)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):

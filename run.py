@@ -263,13 +263,7 @@ def pack_shared_prefix(seqs, response_lens, pad_id, device) -> tuple:
     prompts, row = {}, []
     for s, r in zip(seqs, response_lens):
         row.append(prompts.setdefault(tuple(s[:len(s) - r - 1]), len(prompts)))
-    width = max(max(len(p) for p in prompts), 1)
-    prefix_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    prefix_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        if p:
-            prefix_ids[i, width - len(p):] = torch.tensor(p)
-            prefix_mask[i, width - len(p):] = 1
+    prefix_ids, prefix_mask = data.pad_left([list(p) for p in prompts], pad_id, min_width=1)
     prefix_positions = (prefix_mask.cumsum(1) - 1).clamp(min=0)
     suffixes = [s[len(s) - r - 1:] for s, r in zip(seqs, response_lens)]
     ids, mask, hidden_index, _, _ = data.pack_responses(suffixes, response_lens, pad_id, device)
@@ -723,6 +717,7 @@ def test_time_self_distillation(cfg: Config, model_dir: str, engine, tokenizer, 
             engine, tokenizer, [row], cfg, cfg.train.seed * 1000 + 500_000 + i, budget, cfg.rollout.temperature))
         found["best_of_k"].append(first_success(best))
         found["ttt"].append(None)
+        nonfinite = [0]  # consecutive non-finite optimizer steps on this prompt
         for step in range(steps):
             rollouts, step_metrics = rank0_call(rank, world, lambda: prepare_rollouts(
                 engine, tokenizer, [row], cfg, (i + 1) * 1000 + step, {}))
@@ -731,7 +726,7 @@ def test_time_self_distillation(cfg: Config, model_dir: str, engine, tokenizer, 
                 found["ttt"][-1] = step * n + at
                 break
             _, stepped, _, _ = update_policy(cfg, policy, optimizer, scheduler, teacher, rollouts, step, pad_id,
-                                             device, rank, world, [0])
+                                             device, rank, world, nonfinite)
             if teacher is not None:
                 teacher.update(policy, stepped)
             metrics.update(sync_engine(cfg, engine, policy, tokenizer, rank, world, device))

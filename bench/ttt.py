@@ -13,14 +13,11 @@ Prints discovery@k for every k = n, 2n, ... and
     RESULT ttt_discovery=... best_of_k_discovery=... k=...
 """
 import argparse
-import json
-import os
 import shlex
-import shutil
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from learning import run_one  # the same run.py process, log and error handling as bench/learning.py
+
 PAPER_TTT = ["--algo=sdpo", "--sdpo.topk=20", "--sdpo.alpha=1.0", "--sdpo.teacher_rate=0.01"]
 
 
@@ -32,18 +29,9 @@ def main():
     parser.add_argument("--out", default="runs/bench-ttt")
     parser.add_argument("--launcher", default=sys.executable, help="e.g. 'torchrun --nproc_per_node=4'")
     args, extra = parser.parse_known_args()
-    cmd = shlex.split(args.launcher) + [os.path.join(ROOT, "run.py")] + PAPER_TTT + [
-        f"--ttt_prompts={args.prompts}", f"--train.steps={args.steps}", f"--rollout.n={args.n}",
-        "--rollout.eval_k=16", f"--log.out_dir={args.out}", "--log.wandb_mode=disabled",
-        "--log.progress=False"] + extra  # later flags win
-    shutil.rmtree(args.out, ignore_errors=True)  # run.py appends to metrics.jsonl
-    os.makedirs(args.out)
-    with open(os.path.join(args.out, "stdout.log"), "w") as log:
-        done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    if done.returncode:
-        raise SystemExit(f"run failed ({done.returncode}): {shlex.join(cmd)}; see {args.out}/stdout.log")
-    with open(os.path.join(args.out, "metrics.jsonl")) as f:
-        summary = [json.loads(line) for line in f][-1]
+    flags = PAPER_TTT + [f"--ttt_prompts={args.prompts}", f"--train.steps={args.steps}", f"--rollout.n={args.n}",
+                         "--rollout.eval_k=16"] + extra  # later flags win
+    summary = run_one(shlex.split(args.launcher), flags, args.out)[-1]
     ks = sorted(int(key.split("@")[1]) for key in summary if key.startswith("ttt/discovery@"))
     print(f"{summary['ttt/prompts']} prompts the starting model fails; discovery@k:")
     print(f"{'k':>6} {'ttt':>8} {'best-of-k':>10}")
