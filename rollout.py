@@ -61,6 +61,19 @@ def _patched_env(set_vars: dict, remove_vars=()):
                 os.environ[k] = v
 
 
+def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
+    """Bytes of KV cache one token takes in the engine: K and V of every layer."""
+    import json
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    text = config.get("text_config", config)  # vision-language configs nest the LM's
+    heads = text["num_attention_heads"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    kv_heads = text.get("num_key_value_heads") or heads
+    width = {"float32": 4, "float16": 2, "bfloat16": 2}.get(dtype, 2)
+    return 2 * text["num_hidden_layers"] * kv_heads * head_dim * width
+
+
 def _checkpoint_keys(model_dir: str) -> set[str]:
     """Keys a full sync must carry: the checkpoint's, plus lm_head.weight of a tied model,
     which HF does not save but vLLM's layerwise reload waits for."""
@@ -83,12 +96,15 @@ class Engine:
     own_process: None chooses in-process for a single colocated process on a GPU and an
     engine-core process otherwise (always on CPU). dtype "float32" makes the engine match a float32 trainer to ~1e-4;
     "bfloat16" is what GPUs run (see the README for the probe tolerance that holds).
+    kv_cache_tokens: on CPU, size the KV cache for this many tokens (at least max_model_len)
+    instead of gpu_memory_utilization's fraction of the machine (vLLM's default took 8 GB for
+    a 135M model); a smaller cache only makes vLLM schedule fewer sequences at once.
     """
 
     def __init__(self, model_dir: str, placement: str = "colocated", dtype: str = "auto",
                  gpu_memory_utilization: float = 0.3, max_model_len: int = 2048, seed: int = 0,
                  own_process: bool | None = None, engine_gpu: int | None = None, rpc_timeout_s: float = 600.0,
-                 enforce_eager: bool = True):
+                 enforce_eager: bool = True, kv_cache_tokens: int = 0):
         from vllm import LLM
         if placement not in ("colocated", "separate"):
             raise ValueError(f"placement must be 'colocated' or 'separate', got {placement!r}")
@@ -116,6 +132,9 @@ class Engine:
         # offset"): prefill whole prompts instead.
         cpu_args = {} if torch.cuda.is_available() else {
             "enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
+        if kv_cache_tokens and not torch.cuda.is_available():
+            self.kv_cache_bytes = max(kv_cache_tokens, max_model_len) * kv_bytes_per_token(model_dir, dtype)
+            cpu_args["kv_cache_memory_bytes"] = self.kv_cache_bytes
         t0 = time.perf_counter()
         with _patched_env(env, TORCHRUN_VARS if own_process else ()):
             self.llm = LLM(

@@ -62,7 +62,8 @@ class RolloutConfig:
     n: int = 8  # samples per prompt
     temperature: float = 1.0
     max_tokens: int = 32
-    gpu_memory_utilization: float = 0.3  # on CPU: a fraction of the NUMA node's memory
+    gpu_memory_utilization: float = 0.3  # GPU memory fraction (on CPU only without kv_cache_tokens)
+    kv_cache_tokens: int = 0  # on CPU: tokens the engine's KV cache holds; 0: sized from the run's batches
     max_model_len: int = 2048
     sync_tol: float = 0.0  # max |engine - trainer| probe log-prob (nats) after a sync; 0: 1e-3 for a
     # float32 engine, 1.0 for bfloat16 (README: what holds)
@@ -611,7 +612,7 @@ def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
         engine = rank0_call(rank, world, lambda: Engine(
             model_dir, placement=cfg.rollout.placement, dtype=engine_dtype(cfg, device), seed=cfg.train.seed,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, max_model_len=cfg.rollout.max_model_len,
-            own_process=own), share=False)
+            own_process=own, kv_cache_tokens=kv_cache_tokens(cfg, tokenizer, train_rows + eval_rows)), share=False)
     logger = Logger(cfg, rank)
     if cfg.eval_only:
         metrics = rank0_call(rank, world, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))
@@ -773,6 +774,22 @@ def sync_engine(cfg: Config, engine, policy, tokenizer, rank: int, world: int, d
     tol = cfg.rollout.sync_tol or (1e-3 if engine_dtype(cfg, device) == "float32" else 1.0)
     result = rank0_call(rank, world, lambda: engine.update_weights(state, probe, probe_lp.cpu(), tol))
     return {"sync/seconds": time.perf_counter() - t0, "sync/probe_max_abs_diff": result.probe_max_abs_diff}
+
+
+def kv_cache_tokens(cfg: Config, tokenizer, rows: list) -> int:
+    """Tokens of KV cache the run's generations need at once: vLLM runs at most
+    MAX_CONCURRENT_SEQS sequences together, each a prompt and its response. Teacher-gap
+    prompts carry a demonstration or feedback, so prompts are counted three times over.
+    Too small a cache only makes vLLM schedule fewer sequences at a time."""
+    if cfg.rollout.kv_cache_tokens:
+        return cfg.rollout.kv_cache_tokens
+    longest = max(len(data.chat_prompt_ids(tokenizer, r["messages"], cfg.data.max_prompt_len)) for r in rows[:256])
+    per_sequence = min(3 * longest + cfg.rollout.max_tokens, cfg.rollout.max_model_len)
+    sequences = max(cfg.train.prompts_per_step * cfg.rollout.n, cfg.data.eval_rows * cfg.rollout.eval_k)
+    return min(sequences, MAX_CONCURRENT_SEQS) * per_sequence
+
+
+MAX_CONCURRENT_SEQS = 256  # vLLM's default max_num_seqs
 
 
 def engine_dtype(cfg: Config, device) -> str:

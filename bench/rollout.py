@@ -141,7 +141,7 @@ def child(mode, args):
     probe = rollout.probe_ids(tokenizer)
     dtype = "bfloat16" if mode == "bf16" else "float32"
     engine = rollout.Engine(model_dir, dtype=dtype, own_process=(mode == "own"),
-                            gpu_memory_utilization=args.memory, max_model_len=2048)
+                            kv_cache_tokens=args.kv_tokens, max_model_len=2048)
     out = {"mode": mode, "engine_start_s": engine.start_seconds}
 
     if mode == "bf16":
@@ -195,7 +195,7 @@ def child(mode, args):
 
 def run_child(mode, args):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--prompts", str(args.prompts), "--n", str(args.n),
-           "--max-tokens", str(args.max_tokens), "--syncs", str(args.syncs), "--gen-repeats", str(args.gen_repeats), "--memory", str(args.memory),
+           "--max-tokens", str(args.max_tokens), "--syncs", str(args.syncs), "--gen-repeats", str(args.gen_repeats), "--kv_tokens", str(args.kv_tokens),
            "--sft-steps", str(args.sft_steps)] + (["--model", args.model] if args.model else [])
     env = {**os.environ, **CHILD_ENV.get(mode, {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800, env=env)
@@ -213,7 +213,7 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--gen-repeats", type=int, default=3, help="timed generate calls (seeds 0..); median reported")
     parser.add_argument("--syncs", type=int, default=5)
-    parser.add_argument("--memory", type=float, default=0.3, help="gpu_memory_utilization (on CPU: of the node's RAM)")
+    parser.add_argument("--kv_tokens", type=int, default=65536, help="tokens of KV cache (CPU)")
     parser.add_argument("--sft-steps", type=int, default=200, help="bf16 check: SFT steps of the trained copy")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)

@@ -35,7 +35,7 @@ if __name__ == "__main__":  # vLLM starts its engine core with spawn: the entry 
     # Engine first, as in run.train; rank0_call hands a failure on rank 0 to rank 1 as well.
     t0 = time.perf_counter()
     engine = run.rank0_call(rank, world, lambda: rollout.Engine(
-        model_dir, dtype="float32", gpu_memory_utilization=0.1), share=False)
+        model_dir, dtype="float32", kv_cache_tokens=32768), share=False)
     if rank == 0:
         result["engine_start_s"] = time.perf_counter() - t0
         result["own_process"] = engine.own_process

@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # An in-process engine leaves variables in os.environ (LOCAL_WORLD_SIZE, LD_PRELOAD, VLLM_*):
 # subprocesses get the environment from before any engine started.
 CLEAN_ENV = dict(os.environ)
-MEMORY = 0.1  # of the CPU node's memory for the KV cache: plenty for the tiny model, and two engines fit
+KV_TOKENS = 32768  # of KV cache (128 MB for the tiny model in float32): plenty, and two engines fit
 TOL = 1e-4
 MAX_TOKENS = 24  # of the shared in-process batch
 
@@ -217,7 +217,7 @@ class TestInProcess:
 
     @pytest.fixture(scope="class")
     def engine(self, eos_dir):
-        engine = rollout.Engine(eos_dir, dtype="float32", own_process=False, gpu_memory_utilization=MEMORY)
+        engine = rollout.Engine(eos_dir, dtype="float32", own_process=False, kv_cache_tokens=KV_TOKENS)
         yield engine
         engine.close()
 
@@ -342,7 +342,7 @@ class TestOwnProcess:
 
     @pytest.fixture(scope="class")
     def engine(self, tiny_dir):
-        engine = rollout.Engine(tiny_dir, dtype="float32", own_process=True, gpu_memory_utilization=MEMORY)
+        engine = rollout.Engine(tiny_dir, dtype="float32", own_process=True, kv_cache_tokens=KV_TOKENS)
         yield engine
         sync_dir = engine._sync_dir
         engine.close()

@@ -1,0 +1,89 @@
+"""Pinned gradients and metrics of every objective on a fixed batch (tests/golden.json).
+
+    python tests/golden.py          # rewrite tests/golden.json from the current code
+
+The numbers were first written by the loop as it was before the objectives were split out
+of run.py (commit "golden: pin gradients ..."); tests/test_objectives.py checks that the
+code of today gives the same ones. A gradient is pinned by, per parameter tensor, its sum,
+its sum of squares and its dot product with a fixed random vector: a change anywhere in a
+tensor moves the last one.
+"""
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+PATH = os.path.join(ROOT, "tests", "golden.json")
+
+# (name, flags): every objective and the SDPO variants whose loss path differs
+CASES = [
+    ("sdpo", ["--algo=sdpo"]),
+    ("sdpo-full-reverse-unchunked", ["--algo=sdpo", "--sdpo.distill=full", "--sdpo.alpha=1.0", "--sdpo.chunked=False"]),
+    ("sdpo-token", ["--algo=sdpo", "--sdpo.distill=token"]),
+    ("sdpo-no-is-correction", ["--algo=sdpo", "--rollout.is_correction=False"]),
+    ("sdpo-trust-region", ["--algo=sdpo", "--sdpo.teacher=trust-region"]),
+    ("grpo", ["--algo=grpo"]),
+    ("gspo", ["--algo=gspo"]),
+    ("hybrid", ["--algo=hybrid"]),
+    ("sft", ["--algo=sft"]),
+]
+COMMON = ["--train.mini_batches=2", "--train.micro_batch=4", "--sdpo.topk=8", "--sdpo.chunk_size=7"]
+
+
+def fingerprint(grads: dict) -> dict:
+    """name -> [sum, sum of squares, dot with a fixed random vector] of each gradient."""
+    out = {}
+    for name, g in sorted(grads.items()):
+        g = g.double().flatten()
+        probe = torch.randn(g.numel(), generator=torch.Generator().manual_seed(len(name)), dtype=torch.float64)
+        out[name] = [g.sum().item(), (g * g).sum().item(), (g * probe).sum().item()]
+    return out
+
+
+def record(step_fn) -> dict:
+    """step_fn(flags) -> (list of per-optimizer-step gradient dicts, metrics dict)."""
+    results = {}
+    for name, flags in CASES:
+        grads, metrics = step_fn(flags + COMMON)
+        results[name] = {"grads": [fingerprint(g) for g in grads],
+                         "metrics": {k: v for k, v in sorted(metrics.items()) if isinstance(v, (int, float))}}
+    return results
+
+
+def old_loop_step(flags):
+    """The loop before the reshape: run.update_policy + run.reduce_stats."""
+    import run
+    from test_run import GradRecorder, NoSchedule, _policy, _rollouts
+    from transformers import AutoTokenizer
+    import data
+    from teacher import Teacher
+    tiny = data.tiny_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    cfg = run.parse_config(flags)
+    algo = cfg.algo.name
+    torch.manual_seed(0)
+    policy = _policy(tiny, seed=3)
+    teacher = None
+    if algo in ("sdpo", "hybrid"):
+        teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate, _policy(tiny))
+    recorder = GradRecorder(policy)
+    if algo == "sft":
+        rows = data.task_rows("strops", "train", 6, seed=1)
+        rollouts = run.sft_rollouts(tokenizer, rows, cfg, 0)
+    else:
+        rollouts = _rollouts(tokenizer, algo)
+    sums, _, norms, _ = run.update_policy(cfg, policy, recorder, NoSchedule(), teacher, rollouts, 0,
+                                          tokenizer.pad_token_id, torch.device("cpu"), 0, 1, [0])
+    metrics = run.reduce_stats(sums, 1, algo, len(norms))
+    metrics["actor/grad_norm"] = sum(norms) / len(norms)
+    return recorder.grads, metrics
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    with open(PATH, "w") as f:
+        json.dump(record(old_loop_step), f, indent=1)
+    print(f"wrote {PATH}")
