@@ -314,6 +314,54 @@ def pack_responses(seqs: list[list[int]], response_lens: list[int], pad_id: int,
     return ids.to(device), mask.to(device), as_long(hidden_index), as_long(targets), as_long(token_index)
 
 
+@dataclass
+class Packed:
+    """Prompt+response sequences laid out for the model, and where their responses are.
+
+    input_ids, attention_mask [B, L]; hidden_index [N]: positions in the flattened [B*L]
+    hidden states that predict each response token; targets [N]: the response tokens;
+    token_index [N]: their positions in the [B, R] right-padded response matrix (`shape`).
+    prefix: None, or prompts shared by several sequences, run once (pack_shared_prefix):
+    (ids [P, Lp], mask [P, Lp], positions [P, Lp], row [B]: which prefix each sequence extends).
+    """
+    input_ids: "torch.Tensor"
+    attention_mask: "torch.Tensor"
+    hidden_index: "torch.Tensor"
+    targets: "torch.Tensor"
+    token_index: "torch.Tensor"
+    shape: tuple
+    prefix: tuple | None = None
+
+
+def pack(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu") -> Packed:
+    """Right-padded sequences whose last response_lens[i] tokens are the response."""
+    ids, mask, hidden_index, targets, token_index = pack_responses(seqs, response_lens, pad_id, device)
+    return Packed(ids, mask, hidden_index, targets, token_index, (len(seqs), max(max(response_lens), 1)))
+
+
+def pack_shared_prefix(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu") -> Packed:
+    """Like pack() for sequences many of which share their prompt: each distinct prompt
+    (less its last token) once, left-padded, as the prefix; every sequence's suffix (its
+    prompt's last token and response, right-padded) attends to its prefix's KV cache.
+    The response positions are the same as pack()'s: one hidden state per response token."""
+    import torch
+    prompts, row = {}, []
+    for s, r in zip(seqs, response_lens):
+        row.append(prompts.setdefault(tuple(s[:len(s) - r - 1]), len(prompts)))
+    prefix_ids, prefix_mask = pad_left([list(p) for p in prompts], pad_id, min_width=1)
+    prefix_positions = (prefix_mask.cumsum(1) - 1).clamp(min=0)
+    packed = pack([s[len(s) - r - 1:] for s, r in zip(seqs, response_lens)], response_lens, pad_id, device)
+    packed.prefix = (prefix_ids.to(device), prefix_mask.to(device), prefix_positions.to(device),
+                     torch.tensor(row, dtype=torch.long, device=device))
+    return packed
+
+
+def to_matrix(values, packed: Packed):
+    """Per-token values [N] -> the [B, R] right-padded response matrix (zeros elsewhere)."""
+    out = values.new_zeros(packed.shape[0] * packed.shape[1])
+    return out.index_copy(0, packed.token_index, values).view(packed.shape)
+
+
 # ----------------------------------------------------------------------------------------
 # The tiny default model: a byte-level BPE trained on the tasks' text and a small Qwen2
 # with random weights, written as an ordinary HF directory that transformers and vLLM load.
