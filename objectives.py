@@ -63,7 +63,17 @@ class Rollout:
 class Models:
     """The policy and the optional models an objective asked for (None when not)."""
     policy: torch.nn.Module
-    teacher: object = None  # teacher.Teacher
+    teacher: object = None  # teacher.Teacher: SDPO's EMA / frozen / trust-region / live teacher
+    reference: torch.nn.Module | None = None  # a frozen copy of a policy (KL and DPO references)
+    discriminator: torch.nn.Module | None = None
+
+
+@dataclass
+class Dist:
+    """Where this process sits: its rank, the number of ranks, its device."""
+    rank: int
+    world: int
+    device: torch.device
 
 
 @dataclass
@@ -108,6 +118,31 @@ def micro_batch(rollouts: list, counts: dict, pad_id: int, device, old_logprobs:
 
 # ----------------------------------------------------------------------------------------
 # Shared mechanics
+
+
+def response_logprobs(model, rollouts: list, pad_id: int, d: Dist, micro_batch: int, temperature: float) -> list:
+    """Log-probs of every rollout's response tokens under model, without gradient (old
+    log-probs, reference log-probs): each rank scores a share, then all ranks exchange them.
+    Returns one list of per-token floats per rollout, on every rank."""
+    mine = list(range(len(rollouts)))[d.rank::d.world]
+    local = {}
+    with torch.no_grad():
+        for i in range(0, len(mine), micro_batch):
+            part = mine[i:i + micro_batch]
+            packed = data.pack([rollouts[j].prompt_ids + rollouts[j].response_ids for j in part],
+                               [len(rollouts[j].response_ids) for j in part], pad_id, d.device)
+            logprobs = forward(model, packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(
+                h, w, packed.targets, temperature)[0])
+            start = 0
+            for j in part:
+                local[j] = logprobs[start:start + len(rollouts[j].response_ids)].tolist()
+                start += len(rollouts[j].response_ids)
+    if d.world > 1:
+        gathered = [None] * d.world
+        dist.all_gather_object(gathered, local)
+        for g in gathered:
+            local.update(g)
+    return [local[i] for i in range(len(rollouts))]
 
 
 def forward(model, packed: data.Packed, head):
@@ -379,15 +414,20 @@ def sft_loss(mb: MicroBatch, models: Models, cfg):
 
 @dataclass(frozen=True)
 class Objective:
-    loss: Callable
-    prepare: Callable = lambda rollouts, tokenizer, cfg: {}
-    counted: Callable = lambda rollout: True
-    models: tuple = ()
-    references: bool = False
+    loss: Callable  # (micro-batch, models, cfg) -> (loss, {metric: (sum, count)})
+    prepare: Callable = lambda rollouts, tokenizer, cfg: {}  # rank 0, after scoring -> metrics
+    # every rank, on the shared rollouts, before the update (old log-probs are the loop's):
+    # (rollouts, models, cfg, pad_id, dist) -> metrics
+    before_update: Callable = lambda rollouts, models, cfg, pad_id, d: {}
+    counted: Callable = lambda rollout: True  # counts in the loss's normalisation
+    keep_prompts_together: bool = False  # True: a prompt's samples always share a micro-batch
+    models: tuple = ()  # optional models: "teacher", "reference", "discriminator"
+    references: bool = False  # train on the rows' references instead of generating
 
 
 OBJECTIVES = {
-    "sdpo": Objective(loss=sdpo_loss, prepare=prepare_teacher_contexts, counted=lambda r: r.sdpo_mask > 0, models=("teacher",)),
+    "sdpo": Objective(loss=sdpo_loss, prepare=prepare_teacher_contexts, counted=lambda r: r.sdpo_mask > 0,
+                      models=("teacher",)),
     "grpo": Objective(loss=grpo_loss, prepare=prepare_advantages),
     "gspo": Objective(loss=gspo_loss, prepare=prepare_advantages),
     "hybrid": Objective(loss=hybrid_loss, prepare=prepare_hybrid, models=("teacher",)),

@@ -31,7 +31,7 @@ import feedback
 import losses
 import objectives
 import sdpo
-from objectives import Models, Rollout
+from objectives import Dist, Models, Rollout
 from teacher import Teacher, full_tensor, reshard
 
 # ----------------------------------------------------------------------------------------
@@ -166,14 +166,6 @@ class Config:
 
 # ----------------------------------------------------------------------------------------
 # Distributed setup and the policy module
-
-
-@dataclass
-class Dist:
-    """Where this process sits: its rank, the number of ranks, its device."""
-    rank: int
-    world: int
-    device: torch.device
 
 
 def setup_distributed() -> Dist:
@@ -469,19 +461,21 @@ def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step
     teacher would follow them."""
     models = trainer.models
     models.policy.train()
-    order = list(range(len(rollouts)))
-    random.Random(stream_seed("shuffle", cfg.train.seed, step)).shuffle(order)
-    old_logprobs = trainer_logprobs(cfg, models.policy, rollouts, pad_id, d) if cfg.train.mini_batches > 1 else None
+    before = objective.before_update(rollouts, models, cfg, pad_id, d)
+    units = micro_batch_units(rollouts, objective)
+    random.Random(stream_seed("shuffle", cfg.train.seed, step)).shuffle(units)
+    old_logprobs = objectives.response_logprobs(models.policy, rollouts, pad_id, d, cfg.train.micro_batch,
+                                                cfg.rollout.temperature) if cfg.train.mini_batches > 1 else None
     if models.teacher is not None:
         models.teacher.head_weight_source()  # a collective under FSDP2: gathered here, on every rank at once
     stats, seconds, step_losses, grad_norms, skipped, stepped = {}, {}, [], [], 0, False
-    for indices in split_evenly(order, cfg.train.mini_batches):
-        counts = step_counts([rollouts[i] for i in indices], objective)
+    for mini_batch in split_evenly(units, cfg.train.mini_batches):
+        counts = step_counts([rollouts[i] for unit in mini_batch for i in unit], objective)
         if counts["tokens"] == 0:  # every rank sees the same rollouts, so all skip together
             skipped += 1
             continue
-        loss, finite = accumulate_gradients(cfg, objective, models, rollouts, indices, old_logprobs, counts, pad_id, d,
-                                            stats, seconds)
+        loss, finite = accumulate_gradients(cfg, objective, models, rollouts, mini_batch, old_logprobs, counts, pad_id,
+                                            d, stats, seconds)
         step_losses.append(loss)
         grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(models.policy.parameters(), cfg.optim.grad_clip)))
         grad_norms.append(grad_norm)
@@ -498,22 +492,23 @@ def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step
             trainer.scheduler.step()
             stepped, trainer.nonfinite_streak = True, 0
         trainer.optimizer.zero_grad(set_to_none=True)
-    metrics = reduce_stats(stats, step_losses, d.world)
+    metrics = {**before, **reduce_stats(stats, step_losses, d.world)}
     metrics.update({"actor/grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "actor/skipped_steps": skipped,
                     "actor/lr": trainer.scheduler.get_last_lr()[0], "time/teacher_s": seconds.get("teacher", (0.0,))[0]})
     return metrics, stepped
 
 
-def accumulate_gradients(cfg: Config, objective, models: Models, rollouts: list, indices: list, old_logprobs,
+def accumulate_gradients(cfg: Config, objective, models: Models, rollouts: list, units: list, old_logprobs,
                          counts: dict, pad_id: int, d: Dist, stats: dict, seconds: dict):
-    """Forward and backward over this rank's micro-batches of one optimizer step; adds their
-    statistics into stats. Returns (the summed loss, whether every loss was finite)."""
+    """Forward and backward over this rank's micro-batches of one optimizer step (units: lists
+    of rollout indices that share a micro-batch); adds their statistics into stats. Returns
+    (the summed loss, whether every loss was finite)."""
     # The order of micro-batches within an optimizer step does not change its gradient:
     # keep each prompt's samples together so they share their teacher prompt's forward.
-    indices = sorted(indices)
-    size = cfg.train.micro_batch
-    mine = rank_share(indices, d.rank, d.world)
-    micro = pad_microbatch_count([mine[i:i + size] for i in range(0, len(mine), size)], indices, size, d.world)
+    units = sorted(units)
+    per_rank = [pack_units(rank_share(units, r, d.world), cfg.train.micro_batch) for r in range(d.world)]
+    # every rank runs as many forward/backward passes as the busiest (FSDP's collectives)
+    micro = per_rank[d.rank] + [[]] * (max(max(len(m) for m in per_rank), 1) - len(per_rank[d.rank]))
     total, finite = 0.0, True
     for j, part in enumerate(micro):
         with no_sync_unless(models.policy, d.world, last=j == len(micro) - 1):
@@ -540,35 +535,33 @@ def idle_loss(cfg: Config, models: Models, pad_id: int, d: Dist):
     return objectives.forward(models.policy, packed, lambda h, w: (h @ w.T).sum() * 0.0)
 
 
+def micro_batch_units(rollouts: list, objective) -> list[list[int]]:
+    """Lists of rollout indices that must share a micro-batch: each sample alone, or a prompt's
+    samples together (objectives that compare siblings, e.g. preference pairs)."""
+    if not objective.keep_prompts_together:
+        return [[i] for i in range(len(rollouts))]
+    groups = {}
+    for i, r in enumerate(rollouts):
+        groups.setdefault(r.row["uid"], []).append(i)
+    return list(groups.values())
+
+
+def pack_units(units: list[list[int]], size: int) -> list[list[int]]:
+    """Consecutive units in micro-batches of at most `size` sequences (a larger unit alone)."""
+    out, current = [], []
+    for unit in units:
+        if current and len(current) + len(unit) > size:
+            out.append(current)
+            current = []
+        current = current + unit
+    return out + ([current] if current else [])
+
+
 def step_counts(rollouts: list, objective) -> dict:
     """Global token / sequence counts of one optimizer step (all micro-batches, all ranks)."""
     counted = [r for r in rollouts if r.response_ids and objective.counted(r)]
     return {"tokens": sum(len(r.response_ids) for r in counted), "sequences": len(counted),
             "max_len": max((len(r.response_ids) for r in rollouts), default=1)}
-
-
-def trainer_logprobs(cfg: Config, model, rollouts: list, pad_id: int, d: Dist) -> list:
-    """Log-probs of every rollout's response tokens under model, without gradient (the old
-    log-probs of several optimizer steps per batch): each rank scores a share, all exchange."""
-    mine = list(range(len(rollouts)))[d.rank::d.world]
-    local = {}
-    with torch.no_grad():
-        for i in range(0, len(mine), cfg.train.micro_batch):
-            part = mine[i:i + cfg.train.micro_batch]
-            packed = data.pack([rollouts[j].prompt_ids + rollouts[j].response_ids for j in part],
-                               [len(rollouts[j].response_ids) for j in part], pad_id, d.device)
-            logprobs = objectives.forward(model, packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(
-                h, w, packed.targets, cfg.rollout.temperature)[0])
-            start = 0
-            for j in part:
-                local[j] = logprobs[start:start + len(rollouts[j].response_ids)].tolist()
-                start += len(rollouts[j].response_ids)
-    if d.world > 1:
-        gathered = [None] * d.world
-        dist.all_gather_object(gathered, local)
-        for g in gathered:
-            local.update(g)
-    return [local[i] for i in range(len(rollouts))]
 
 
 def add_stats(into: dict, stats: dict):
@@ -607,12 +600,6 @@ def rank_share(items: list, rank: int, world: int) -> list:
     size, extra = divmod(len(items), world)
     start = rank * size + min(rank, extra)
     return items[start:start + size + (rank < extra)]
-
-
-def pad_microbatch_count(micro, mb_indices, size, world):
-    """Every rank must run the same number of forward/backward passes (FSDP collectives)."""
-    most = max(math.ceil(len(rank_share(mb_indices, r, world)) / size) for r in range(world)) or 1
-    return micro + [[] for _ in range(most - len(micro))]
 
 
 @contextlib.contextmanager
@@ -707,7 +694,7 @@ def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
     return rank0_call(d, lambda: Engine(
         model_dir, placement=cfg.rollout.placement, dtype=engine_dtype(cfg, d.device), seed=cfg.train.seed,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, max_model_len=cfg.rollout.max_model_len,
-        own_process=own, kv_cache_tokens=kv_cache_tokens(cfg, tokenizer, rows)), share=False)
+        own_process=own, kv_cache_tokens=kv_cache_tokens(cfg, model_dir, tokenizer, rows, d.device)), share=False)
 
 
 def evaluate_only(cfg: Config, engine, tokenizer, eval_rows: list, logger, d: Dist) -> dict:
@@ -801,20 +788,26 @@ def sync_engine(cfg: Config, engine, policy, tokenizer, d: Dist) -> dict:
     return {"sync/seconds": time.perf_counter() - t0, "sync/probe_max_abs_diff": result.probe_max_abs_diff}
 
 
-def kv_cache_tokens(cfg: Config, tokenizer, rows: list) -> int:
+def kv_cache_tokens(cfg: Config, model_dir: str, tokenizer, rows: list, device) -> int:
     """Tokens of KV cache the run's generations need at once: vLLM runs at most
     MAX_CONCURRENT_SEQS sequences together, each a prompt and its response. Teacher-gap
-    prompts carry a demonstration or feedback, so prompts are counted three times over.
-    Too small a cache only makes vLLM schedule fewer sequences at a time."""
+    prompts carry a demonstration or feedback, so prompts are counted three times over. On
+    CPU the cache is capped at CPU_KV_CACHE_BYTES: more concurrent sequences do not make a
+    CPU generate faster, and too small a cache only makes vLLM schedule fewer at a time."""
     if cfg.rollout.kv_cache_tokens:
         return cfg.rollout.kv_cache_tokens
+    from rollout import kv_bytes_per_token
     longest = max(len(data.chat_prompt_ids(tokenizer, r["messages"], cfg.data.max_prompt_len)) for r in rows[:256])
     per_sequence = min(3 * longest + cfg.rollout.max_tokens, cfg.rollout.max_model_len)
     sequences = max(cfg.train.prompts_per_step * cfg.rollout.n, cfg.data.eval_rows * cfg.rollout.eval_k)
-    return min(sequences, MAX_CONCURRENT_SEQS) * per_sequence
+    need = min(sequences, MAX_CONCURRENT_SEQS) * per_sequence
+    if device.type == "cpu":
+        need = min(need, CPU_KV_CACHE_BYTES // kv_bytes_per_token(model_dir, engine_dtype(cfg, device)))
+    return need
 
 
 MAX_CONCURRENT_SEQS = 256  # vLLM's default max_num_seqs
+CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def engine_dtype(cfg: Config, device) -> str:

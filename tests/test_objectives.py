@@ -56,3 +56,20 @@ def test_the_algo_flag_offers_exactly_the_rows_of_the_table():
         assert run.parse_config([f"--algo={name}"]).algo.name == name
     with pytest.raises(SystemExit):
         run.parse_config(["--algo=ppo"])
+
+
+def test_units_are_never_split_across_micro_batches():
+    units = [[0, 1, 2], [3], [4, 5, 6, 7, 8], [9, 10]]
+    assert run.pack_units(units, 4) == [[0, 1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
+    assert run.pack_units([[i] for i in range(5)], 2) == [[0, 1], [2, 3], [4]]
+    assert run.pack_units([], 4) == []
+
+
+def test_prompts_stay_together_when_the_objective_asks(tokenizer):
+    import dataclasses
+    rollouts = _rollouts(tokenizer, "grpo", n_prompts=3, n=4)
+    alone = run.micro_batch_units(rollouts, OBJECTIVES["grpo"])
+    assert alone == [[i] for i in range(12)]
+    together = run.micro_batch_units(rollouts, dataclasses.replace(OBJECTIVES["grpo"], keep_prompts_together=True))
+    assert together == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert all(len({rollouts[i].row["uid"] for i in unit}) == 1 for unit in together)
