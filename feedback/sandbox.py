@@ -73,6 +73,7 @@ SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
 ROOT = "/sandbox"  # the program's writable directory, inside the sandbox
 HARNESS_INSIDE = "/opt/sdpo/harness.py"
+MIN_BWRAP = (0, 8)  # --size (0.7) and --perms (0.8) for tmpfs mounts
 RUNNER_TASKS = 4  # the runner's own threads, counted by RLIMIT_NPROC when it shares the program's uid
 
 
@@ -148,7 +149,11 @@ def _probe() -> Isolation:
     root = os.geteuid() == 0
     bwrap = shutil.which("bwrap")
     why = "bubblewrap is not installed (apt-get install bubblewrap)"
-    if bwrap is not None:
+    version = _bwrap_version(bwrap) if bwrap else None
+    if version is not None and version < MIN_BWRAP:
+        why = (f"bubblewrap {'.'.join(map(str, version))} is older than {'.'.join(map(str, MIN_BWRAP))}, "
+               "which sizes and modes tmpfs mounts (Ubuntu 22.04 ships 0.6: install a newer one)")
+    elif bwrap is not None:
         try:
             out = _run_job(Isolation(bwrap, root, ()), Limits(), _job("", [], None, ROOT, 0, False), 60)
             if out.returncode == 0:
@@ -167,6 +172,14 @@ def _probe() -> Isolation:
         problems.append("programs run as your own user: they can read your processes' environments (API keys), "
                         "signal them and write your files")
     return Isolation(None, root, tuple(problems))
+
+
+def _bwrap_version(bwrap: str) -> tuple[int, ...] | None:
+    try:
+        out = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return tuple(int(x) for x in out.split()[-1].split(".")[:2])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
 
 
 def _announce(iso: Isolation) -> None:
