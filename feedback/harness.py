@@ -66,17 +66,24 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 # values between the program and the runner / trainer
 
 
+PLAIN = (bool, int, float, str)  # JSON's own scalars (with None)
+
+
+def _deeper(depth: int) -> int:
+    if depth >= MAX_DEPTH:
+        raise ValueError(f"value nested deeper than {MAX_DEPTH} levels")
+    return depth + 1
+
+
 def encode_value(x, depth: int = 0):
     """A value of built-in types as JSON-able data that `decode_value` turns back into the same
     types: lists and str/int/float/bool/None as themselves, tuples, sets, frozensets, dicts,
     bytes and complex numbers as one-key objects ({"tuple": [...]}). Subclasses become their base
     type (a Counter a dict); numpy values go through .tolist(); anything else is a TypeError."""
-    if depth > MAX_DEPTH:
-        raise ValueError(f"value nested deeper than {MAX_DEPTH} levels")
     t = type(x)
-    if x is None or t in (bool, int, float, str):
+    if x is None or t in PLAIN:
         return x
-    d = depth + 1
+    d = _deeper(depth)
     if isinstance(x, int):  # bool cannot be subclassed; IntEnum and friends
         return int(x)
     if isinstance(x, float):
@@ -106,12 +113,10 @@ def encode_value(x, depth: int = 0):
 def decode_value(j, depth: int = 0):
     """Inverse of encode_value for trusted code: builds only built-in values; ValueError on
     anything encode_value does not produce."""
-    if depth > MAX_DEPTH:
-        raise ValueError(f"value nested deeper than {MAX_DEPTH} levels")
     t = type(j)
-    if j is None or t in (bool, int, float, str):
+    if j is None or t in PLAIN:
         return j
-    d = depth + 1
+    d = _deeper(depth)
     if t is list:
         return [decode_value(v, d) for v in j]
     if t is dict and len(j) == 1:
