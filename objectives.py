@@ -57,6 +57,8 @@ class Rollout:
     teacher_ids: list | None = None  # SDPO/hybrid: teacher prompt + the same response ids
     sdpo_mask: float = 0.0  # SDPO/hybrid: 1.0 when the sample has a teacher context
     teacher_context: str = ""  # SDPO/hybrid: "demonstration", "feedback" or "" (none)
+    # written by cache_teacher_hidden on the rank that trains it, consumed by its micro-batch:
+    teacher_hidden: torch.Tensor | None = None  # [R, H'] teacher hidden states at the response tokens
 
 
 @dataclass
@@ -275,10 +277,12 @@ def prepare_hybrid(rollouts: list, tokenizer, cfg) -> dict:
     return prepare_teacher_contexts(rollouts, tokenizer, cfg)
 
 
-def teacher_hidden_states(cfg, models: Models, rollouts: list, pad_id: int, device, world: int) -> torch.Tensor:
-    """Teacher hidden states [N, H'] at every response token of rollouts. Samples without
-    a teacher context (mask 0) get zeros instead of a forward: their loss is masked out.
-    Every rank calls this for each of its micro-batches, an idle rank with no rollouts."""
+def teacher_hidden_states(cfg, models: Models, rollouts: list, pad_id: int, device, world: int) -> list:
+    """Teacher hidden states [R, H'] at the response tokens of each rollout with a teacher
+    context (None for the others: their loss is masked out), teacher_micro_batch sequences
+    per forward, a shared teacher prompt run once per forward (--sdpo.share_teacher_prefix).
+    Every rank calls this at the same points, an idle one with no rollouts: ranks run as many
+    forwards as the busiest (FSDP2's collectives)."""
     used = [r for r in rollouts if r.sdpo_mask > 0]
     calls = torch.tensor([math.ceil(len(used) / cfg.sdpo.teacher_micro_batch)])
     if world > 1:  # ranks differ in how many of their samples have a teacher context
@@ -286,28 +290,48 @@ def teacher_hidden_states(cfg, models: Models, rollouts: list, pad_id: int, devi
     share = cfg.sdpo.share_teacher_prefix and not cfg.model.gradient_checkpointing  # HF drops the KV cache under it
     packer = data.pack_shared_prefix if share else data.pack
     run_model = lambda model, seqs, lens, head: forward(model, packer(seqs, lens, pad_id, device), head)
-    teacher = models.teacher
-    hidden = teacher.hidden(models.policy, run_model, [r.teacher_ids for r in used], [len(r.response_ids) for r in used],
-                            cfg.sdpo.teacher_micro_batch, calls=int(calls), dummy_seq=[pad_id, pad_id])
-    if len(used) == len(rollouts):
-        return hidden
-    width = hidden.shape[-1] if len(used) else teacher.hidden_size(models.policy)
-    parts, start = [], 0
-    for r in rollouts:
-        if r.sdpo_mask > 0:
-            parts.append(hidden[start:start + len(r.response_ids)])
-            start += len(r.response_ids)
-        else:
-            parts.append(torch.zeros(len(r.response_ids), width, device=device,
-                                     dtype=hidden.dtype if len(used) else torch.float32))
-    return torch.cat(parts) if parts else torch.zeros(0, width, device=device)
+    hidden = models.teacher.hidden(models.policy, run_model, [r.teacher_ids for r in used],
+                                   [len(r.response_ids) for r in used], cfg.sdpo.teacher_micro_batch,
+                                   calls=int(calls), dummy_seq=[pad_id, pad_id])
+    parts = iter(hidden.split([len(r.response_ids) for r in used]) if used else [])
+    return [next(parts) if r.sdpo_mask > 0 else None for r in rollouts]
+
+
+def cache_teacher_hidden(cfg, models: Models, rollouts: list, pad_id: int, d: Dist) -> float:
+    """Once per update, before its first optimizer step: the teacher's hidden states for all of
+    this rank's rollouts, kept on each rollout for its micro-batch. An EMA or frozen teacher
+    does not change during an update (the EMA moves after it), so this is what the
+    micro-batches would compute, but a group's shared teacher prompt now runs once per step
+    instead of once per mini-batch holding one of its samples. A teacher that reads the
+    current policy (live, trust-region) is computed per micro-batch instead. Returns seconds."""
+    models.teacher.head_weight_source()  # a collective under FSDP2: gathered here, on every rank at once
+    if models.teacher.reads_policy:
+        return 0.0
+    t0 = time.perf_counter()
+    for r, hidden in zip(rollouts, teacher_hidden_states(cfg, models, rollouts, pad_id, d.device, d.world)):
+        r.teacher_hidden = hidden
+    return time.perf_counter() - t0
 
 
 def teacher_hidden_for(mb: MicroBatch, models: Models, cfg) -> torch.Tensor:
-    t0 = time.perf_counter()
-    hidden = teacher_hidden_states(cfg, models, mb.rollouts, mb.pad_id, mb.device, mb.world)
-    mb.seconds["teacher"] = mb.seconds.get("teacher", 0.0) + time.perf_counter() - t0
-    return hidden
+    """The micro-batch's teacher hidden states [N, H'] (zeros where a sample has no teacher
+    context): taken from the rollouts (cache_teacher_hidden, and freed), or computed now."""
+    if models.teacher.reads_policy:
+        t0 = time.perf_counter()
+        hidden = teacher_hidden_states(cfg, models, mb.rollouts, mb.pad_id, mb.device, mb.world)
+        mb.seconds["teacher"] = mb.seconds.get("teacher", 0.0) + time.perf_counter() - t0
+    else:
+        hidden = [r.teacher_hidden for r in mb.rollouts]
+        for r in mb.rollouts:
+            r.teacher_hidden = None
+        if any(h is None and r.sdpo_mask > 0 for h, r in zip(hidden, mb.rollouts)):
+            raise RuntimeError("a rollout with a teacher context reached its micro-batch without the teacher's "
+                               "hidden states: cache_teacher_hidden must run on the rank that trains it")
+    known = next((h for h in hidden if h is not None), None)
+    width = known.shape[-1] if known is not None else models.teacher.hidden_size(models.policy)
+    dtype = known.dtype if known is not None else torch.float32
+    return torch.cat([h if h is not None else torch.zeros(len(r.response_ids), width, device=mb.device, dtype=dtype)
+                      for h, r in zip(hidden, mb.rollouts)])
 
 
 def sdpo_head(mb: MicroBatch, models: Models, cfg, teacher_hidden: torch.Tensor):

@@ -485,17 +485,22 @@ def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step
     before = objective.before_update(rollouts, models, cfg, pad_id, d)
     units = micro_batch_units(rollouts, objective)
     random.Random(stream_seed("shuffle", cfg.train.seed, step)).shuffle(units)
+    # Each optimizer step: its global counts and this rank's micro-batches (None: nothing to learn)
+    plan = [(counts, rank_micro_batches(mini_batch, cfg.train.micro_batch, d) if counts["tokens"] else None)
+            for mini_batch in split_evenly(units, cfg.train.mini_batches)
+            for counts in [step_counts([rollouts[i] for unit in mini_batch for i in unit], objective)]]
     old_logprobs = objectives.response_logprobs(models.policy, rollouts, pad_id, d, cfg.train.micro_batch,
                                                 cfg.rollout.temperature) if cfg.train.mini_batches > 1 else None
+    teacher_seconds = 0.0
     if models.teacher is not None:
-        models.teacher.head_weight_source()  # a collective under FSDP2: gathered here, on every rank at once
+        mine = sorted(i for _, micro in plan if micro for part in micro for i in part)
+        teacher_seconds = objectives.cache_teacher_hidden(cfg, models, [rollouts[i] for i in mine], pad_id, d)
     stats, seconds, step_losses, grad_norms, skipped, stepped = {}, {}, [], [], 0, False
-    for mini_batch in split_evenly(units, cfg.train.mini_batches):
-        counts = step_counts([rollouts[i] for unit in mini_batch for i in unit], objective)
-        if counts["tokens"] == 0:  # every rank sees the same rollouts, so all skip together
+    for counts, micro in plan:
+        if micro is None:  # every rank sees the same rollouts, so all skip together
             skipped += 1
             continue
-        loss, finite = accumulate_gradients(cfg, objective, models, rollouts, mini_batch, old_logprobs, counts, pad_id,
+        loss, finite = accumulate_gradients(cfg, objective, models, rollouts, micro, old_logprobs, counts, pad_id,
                                             d, stats, seconds)
         step_losses.append(loss)
         grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(models.policy.parameters(), cfg.optim.grad_clip)))
@@ -515,21 +520,16 @@ def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step
         trainer.optimizer.zero_grad(set_to_none=True)
     metrics = {**before, **reduce_stats(stats, step_losses, d.world)}
     metrics.update({"actor/grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "actor/skipped_steps": skipped,
-                    "actor/lr": trainer.scheduler.get_last_lr()[0], "time/teacher_s": seconds.get("teacher", (0.0,))[0]})
+                    "actor/lr": trainer.scheduler.get_last_lr()[0],
+                    "time/teacher_s": teacher_seconds + seconds.get("teacher", (0.0,))[0]})
     return metrics, stepped
 
 
-def accumulate_gradients(cfg: Config, objective, models: Models, rollouts: list, units: list, old_logprobs,
+def accumulate_gradients(cfg: Config, objective, models: Models, rollouts: list, micro: list, old_logprobs,
                          counts: dict, pad_id: int, d: Dist, stats: dict, seconds: dict):
-    """Forward and backward over this rank's micro-batches of one optimizer step (units: lists
-    of rollout indices that share a micro-batch); adds their statistics into stats. Returns
+    """Forward and backward over this rank's micro-batches of one optimizer step (micro: lists
+    of rollout indices, [] where this rank idles); adds their statistics into stats. Returns
     (the summed loss, whether every loss was finite)."""
-    # The order of micro-batches within an optimizer step does not change its gradient:
-    # keep each prompt's samples together so they share their teacher prompt's forward.
-    units = sorted(units)
-    per_rank = [pack_units(rank_share(units, r, d.world), cfg.train.micro_batch) for r in range(d.world)]
-    # every rank runs as many forward/backward passes as the busiest (FSDP's collectives)
-    micro = per_rank[d.rank] + [[]] * (max(max(len(m) for m in per_rank), 1) - len(per_rank[d.rank]))
     total, finite = 0.0, True
     for j, part in enumerate(micro):
         with no_sync_unless(models.policy, d.world, last=j == len(micro) - 1):
@@ -547,10 +547,21 @@ def accumulate_gradients(cfg: Config, objective, models: Models, rollouts: list,
     return total, finite
 
 
+def rank_micro_batches(units: list, micro_batch: int, d: Dist) -> list[list[int]]:
+    """This rank's micro-batches (lists of rollout indices) of one optimizer step, padded with
+    empty ones to the busiest rank's count: every rank runs as many forward/backward passes
+    (FSDP2's collectives)."""
+    # The order of micro-batches within an optimizer step does not change its gradient:
+    # keeping each prompt's samples together lets them share their teacher prompt's forward.
+    units = sorted(units)
+    per_rank = [pack_units(rank_share(units, r, d.world), micro_batch) for r in range(d.world)]
+    return per_rank[d.rank] + [[]] * (max(max(len(m) for m in per_rank), 1) - len(per_rank[d.rank]))
+
+
 def idle_loss(cfg: Config, models: Models, pad_id: int, d: Dist):
     """A zero loss with a forward through the policy (FSDP2's collectives) and, when there is
     a teacher, through its forwards (collectives too)."""
-    if models.teacher is not None:
+    if models.teacher is not None and models.teacher.reads_policy:
         objectives.teacher_hidden_states(cfg, models, [], pad_id, d.device, d.world)
     packed = data.pack([[pad_id, pad_id]], [1], pad_id, d.device)
     return objectives.forward(models.policy, packed, lambda h, w: (h @ w.T).sum() * 0.0)

@@ -67,6 +67,12 @@ class Teacher:
         self._head = None
         return True
 
+    @property
+    def reads_policy(self) -> bool:
+        """Whether the teacher's outputs change with the policy's current weights (live,
+        trust-region): those must be computed for each micro-batch, not once per update."""
+        return self.kind in ("live", "trust-region")
+
     def state_dict(self) -> dict:
         return self.copy.state_dict()
 
