@@ -51,7 +51,7 @@ class Rollout:
     reward: float = 0.0
     feedback: str = ""
     reward_error: str = ""
-    policy_version: int = 0  # optimizer step whose weights generated it
+    policy_version: int = 0  # the weights that generated it: their number of loop steps (updates)
     # written by prepare:
     advantage: float = 0.0  # GRPO/GSPO/hybrid
     teacher_ids: list | None = None  # SDPO/hybrid: teacher prompt + the same response ids

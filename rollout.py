@@ -16,6 +16,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -37,12 +38,40 @@ class Sample:
     logprobs: list[float]  # engine log-probs of response_ids at the sampling temperature
     text: str
     truncated: bool  # no EOS before max_tokens
+    policy_version: int = 0  # the version of the weights the engine held (Engine.update_weights)
 
 
 @dataclass
 class SyncResult:
-    seconds: float
+    seconds: float  # loading and proving the weights, without waiting for a background job
     probe_max_abs_diff: float
+    waited_s: float = 0.0  # the caller waited this long for the engine's background job to finish
+    engine_idle_s: float = 0.0  # the engine stood idle this long between its last generation and the load
+
+
+class Background:
+    """fn() running in a daemon thread: Ctrl-C or an error in the trainer never waits for it."""
+
+    def __init__(self, fn, name: str):
+        self.value, self.error, self.done = None, None, threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self, fn):
+        try:
+            self.value = fn()
+        except BaseException as e:  # handed to whoever waits for the result
+            self.error = e
+        finally:
+            self.done.set()
+
+    def result(self, timeout: float | None = None):
+        """fn's return value, or its exception; EngineError after timeout seconds."""
+        if not self.done.wait(timeout):
+            raise EngineError(f"{self.thread.name} did not finish within {timeout:.0f} s")
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 @contextlib.contextmanager
@@ -99,6 +128,12 @@ class Engine:
     kv_cache_tokens: on CPU, size the KV cache for this many tokens (at least max_model_len)
     instead of gpu_memory_utilization's fraction of the machine (vLLM's default took 8 GB for
     a 135M model); a smaller cache only makes vLLM schedule fewer sequences at once.
+
+    The engine counts the versions of its weights (`update_weights(version=...)`) and stamps
+    each sample with the one that generated it. `in_background` runs a job that uses the
+    engine (the next batch's generation) while the caller trains; any other call waits for
+    that job first, so calls take effect in the order they were made and a generation never
+    overlaps a weight load.
     """
 
     def __init__(self, model_dir: str, placement: str = "colocated", dtype: str = "auto",
@@ -125,6 +160,9 @@ class Engine:
         self.model_dir = model_dir
         self.own_process = own_process
         self.rpc_timeout_s = rpc_timeout_s
+        self.weights_version = 0  # the checkpoint's weights
+        self._background = None  # the job started by in_background, until someone waits for it
+        self._idle_since = None  # when the last generation ended
         self.expected_keys = _checkpoint_keys(model_dir)
         self._sync_dir = None
         # On CPU, a seeded request caught mid-way through a chunked prefill makes vLLM rewind
@@ -136,6 +174,7 @@ class Engine:
             self.kv_cache_bytes = max(kv_cache_tokens, max_model_len) * kv_bytes_per_token(model_dir, dtype)
             cpu_args["kv_cache_memory_bytes"] = self.kv_cache_bytes
         t0 = time.perf_counter()
+        before = _descendants() if own_process else set()
         with _patched_env(env, TORCHRUN_VARS if own_process else ()):
             self.llm = LLM(
                 model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
@@ -146,14 +185,46 @@ class Engine:
                 **cpu_args,
             )
         self.start_seconds = time.perf_counter() - t0
+        # The engine core and its workers: watched during every call (see _call), and ended by a
+        # reaper process when this one ends without closing the engine (kill -9: vLLM's own
+        # processes outlive their parent).
+        self.processes = _processes_since(before) if own_process else {}
+        self._reaper = _start_reaper([p for p, _ in self.processes.values()]) if self.processes else None
 
     def _call(self, what: str, fn, *args, **kwargs):
+        """fn(*args, **kwargs) into vLLM, its failures as EngineError. An own-process engine
+        is watched while the call runs: when its process dies, vLLM notices but a generate
+        call waits for outputs forever (vllm 0.32, kill -9 of the engine core)."""
         try:
-            return fn(*args, **kwargs)
+            if not self.processes:
+                return fn(*args, **kwargs)
+            call = Background(lambda: fn(*args, **kwargs), name=f"vLLM {what}")
+            while not call.done.wait(1.0):
+                dead = [(pid, name) for pid, (process, name) in self.processes.items() if not _alive(process)]
+                if dead:
+                    raise EngineError(f"vLLM engine process {dead[0][1]} (pid {dead[0][0]}) died during {what}")
+            return call.result(0)
         except EngineError:
             raise
         except Exception as e:  # vLLM's EngineDeadError, TimeoutError, broken pipes ...
             raise EngineError(f"vLLM engine failed during {what}: {type(e).__name__}: {e}") from e
+
+    def in_background(self, fn, name: str) -> Background:
+        """Run fn(), which may call this engine, in a background thread (after any earlier job)."""
+        self._finish_background()
+        self._background = Background(fn, name)
+        return self._background
+
+    def _finish_background(self) -> float:
+        """Wait for the background job unless called from it, re-raising its error (its engine
+        calls fail when the engine dies, see _call); returns the seconds waited."""
+        job = self._background
+        if job is None or job.thread is threading.current_thread():
+            return 0.0
+        t0 = time.perf_counter()
+        job.result()
+        self._background = None
+        return time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, max_tokens: int,
                  seed: int) -> list[list[Sample]]:
@@ -161,6 +232,8 @@ class Engine:
         drawn from the full tempered distribution for the log-probs to be correct."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        self._finish_background()
+        version = self.weights_version
         # vLLM seeds sample j of a request with seed + j: space the prompts' seeds by n so
         # that no two samples of a batch share a random stream.
         params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed * 1000003 + i * n,
@@ -175,14 +248,17 @@ class Engine:
                 ids = list(completion.token_ids)
                 logprobs = [step[token].logprob for token, step in zip(ids, completion.logprobs)]
                 samples.append(Sample(prompt_ids=list(prompt), response_ids=ids, logprobs=logprobs,
-                                      text=completion.text, truncated=completion.finish_reason == "length"))
+                                      text=completion.text, truncated=completion.finish_reason == "length",
+                                      policy_version=version))
             result.append(samples)
+        self._idle_since = time.perf_counter()
         return result
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token_t | tokens_<t) for t = 1.. of each sequence, at temperature 1."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        self._finish_background()
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         outputs = self._call("score", self.llm.generate,
                              [TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False)
@@ -190,14 +266,18 @@ class Engine:
                 for seq, out in zip(sequences, outputs)]
 
     def update_weights(self, state_dict: dict, probe_ids: list[int], trainer_probe_logprobs: torch.Tensor,
-                       tol: float) -> SyncResult:
+                       tol: float, version: int | None = None) -> SyncResult:
         """Load a full HF-named state dict into the engine, reset the prefix cache, and prove it.
 
         trainer_probe_logprobs: [len(probe_ids) - 1] log-probs of the probe under the weights
-        being synced (see `probe_logprobs`). Raises EngineError when keys are missing or the
-        engine's probe log-probs differ from the trainer's by more than tol (max abs, nats).
+        being synced (see `probe_logprobs`). version: what later samples are stamped with
+        (default: one more than now). Waits for a background job first. Raises EngineError
+        when keys are missing or the engine's probe log-probs differ from the trainer's by more
+        than tol (max abs, nats).
         """
+        waited = self._finish_background()
         t0 = time.perf_counter()
+        idle = t0 - self._idle_since if self._idle_since is not None else 0.0
         missing = self.expected_keys - set(state_dict)
         if missing:
             # vLLM reloads layer by layer and keeps *every* old weight when one key is absent.
@@ -219,7 +299,9 @@ class Engine:
         if not diff <= tol:  # NaN fails too
             raise EngineError(f"weight sync did not arrive: engine and trainer probe log-probs differ by "
                               f"{diff:.4g} nats (tolerance {tol})")
-        return SyncResult(seconds=time.perf_counter() - t0, probe_max_abs_diff=diff)
+        self.weights_version = self.weights_version + 1 if version is None else version
+        return SyncResult(seconds=time.perf_counter() - t0, probe_max_abs_diff=diff, waited_s=waited,
+                          engine_idle_s=idle)
 
     def _write_sync_file(self, state_dict: dict):
         from safetensors.torch import save_file
@@ -246,6 +328,67 @@ class Engine:
             with contextlib.suppress(Exception):
                 llm.llm_engine.engine_core.shutdown()
             del llm
+        reaper, self._reaper = getattr(self, "_reaper", None), None
+        if reaper is not None:
+            reaper.stdin.close()  # it ends whatever shutdown left running, then exits
+            with contextlib.suppress(Exception):
+                reaper.wait(timeout=30)
+
+
+REAPER = """
+import signal, sys, psutil
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the trainer decides
+processes = []
+for pid in sys.argv[1:]:
+    try:
+        processes.append(psutil.Process(int(pid)))  # remembers its start time: a reused pid is never hit
+    except psutil.Error:
+        pass
+sys.stdin.read()  # returns when the pipe closes: the trainer closed the engine, or died
+for p in processes:
+    try:
+        p.terminate()
+    except psutil.Error:
+        pass
+for p in psutil.wait_procs(processes, timeout=20)[1]:
+    try:
+        p.kill()
+    except psutil.Error:
+        pass
+"""
+
+
+def _start_reaper(processes: list):
+    """A small process that terminates `processes` once this process has gone (its stdin closes)."""
+    import subprocess
+    import sys
+    return subprocess.Popen([sys.executable, "-c", REAPER] + [str(p.pid) for p in processes],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+
+
+def _descendants() -> set[int]:
+    import psutil
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _processes_since(before: set[int]) -> dict:
+    """pid -> (psutil.Process, name) of this process's descendants not in before, but
+    multiprocessing's resource tracker (not the engine's, and it outlives it)."""
+    import psutil
+    out = {}
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline()):
+                out[p.pid] = (p, p.name())
+    return out
+
+
+def _alive(process) -> bool:
+    import psutil
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def probe_ids(tokenizer) -> list[int]:

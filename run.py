@@ -18,7 +18,9 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -32,6 +34,7 @@ import losses
 import objectives
 import sdpo
 from objectives import Dist, Models, Rollout
+from rollout import EngineError
 from teacher import Teacher, full_tensor, reshard
 
 # ----------------------------------------------------------------------------------------
@@ -72,11 +75,13 @@ class RolloutConfig:
     max_model_len: int = 2048
     sync_tol: float = 0.0  # max |engine - trainer| probe log-prob (nats) after a sync; 0: 1e-3 for a
     # float32 engine, 1.0 for bfloat16 (README: what holds)
-    is_correction: bool = True  # truncated IS weights for the engine-vs-trainer mismatch
+    is_correction: bool = True  # truncated IS weights for the engine-vs-trainer mismatch (and the staleness
+    # of --train.off_policy_steps 1)
     is_cap: float = 2.0
     is_level: Literal["token", "sequence"] = "token"
     eval_temperature: float = 0.6
     eval_k: int = 4  # avg@k
+    rpc_timeout_s: float = 600.0  # longest wait for a weight load into the engine
 
 
 @dataclass
@@ -136,8 +141,11 @@ class TrainConfig:
     warm_start_demo_frac: float = 0.7
     warm_start_feedback_frac: float = 0.1
     eval_every: int = 20  # and at the start and the end; 0: never
+    # 1: the engine generates the next batch, with the weights before this update, while the
+    # trainer learns from this one (one step stale; the engine correction covers it: README)
+    off_policy_steps: Literal[0, 1] = 0
     save_every: int = 0  # torch.distributed.checkpoint every N steps; 0: only the final HF model
-    resume: str = ""  # a checkpoint directory written by save_every
+    resume: str = ""  # a checkpoint directory written by save_every, or a run's out_dir (its latest one)
     max_nonfinite_steps: int = 3  # consecutive optimizer steps with a NaN/inf loss before stopping
 
 
@@ -253,7 +261,8 @@ def full_state_dict(model: CausalLM, world: int) -> dict:
 
 
 def rank0_call(d: Dist, fn, share: bool = True):
-    """Run fn on rank 0 and hand its result (when share), or its error, to every rank.
+    """Run fn on rank 0 and hand its result (when share), or its error, to every rank (an
+    EngineError stays one).
 
     Without this, an engine that dies on rank 0 leaves the other ranks waiting forever.
     """
@@ -265,12 +274,13 @@ def rank0_call(d: Dist, fn, share: bool = True):
         except Exception as e:  # re-raised below, on every rank
             error = e
     if world > 1:
-        box = [(result if share else None, None if error is None else f"{type(error).__name__}: {error}")]
+        box = [(result if share else None, None if error is None else f"{type(error).__name__}: {error}",
+                isinstance(error, EngineError))]
         dist.broadcast_object_list(box, src=0)
-        shared, message = box[0]
+        shared, message, engine_failed = box[0]
         result = shared if share or rank != 0 else result
         if message and rank != 0:
-            raise RuntimeError(f"rank 0 failed: {message}")
+            raise (EngineError if engine_failed else RuntimeError)(f"rank 0 failed: {message}")
     if error is not None:
         raise error
     return result
@@ -283,7 +293,8 @@ def generate_and_score(engine, tokenizer, rows, cfg: Config, seed: int, n: int, 
     prompts = prompts or [data.chat_prompt_ids(tokenizer, r["messages"], cfg.data.max_prompt_len) for r in rows]
     groups = engine.generate(prompts, n=n, temperature=temperature, max_tokens=cfg.rollout.max_tokens, seed=seed)
     rollouts = [Rollout(row=row, prompt_ids=s.prompt_ids, response_ids=s.response_ids, rollout_logprobs=s.logprobs,
-                        text=s.text, truncated=s.truncated) for row, samples in zip(rows, groups) for s in samples]
+                        text=s.text, truncated=s.truncated, policy_version=s.policy_version)
+                for row, samples in zip(rows, groups) for s in samples]
     rewards = feedback.score_batch(
         reward_function(cfg, rows[0]),
         [r.text for r in rollouts], [r.row for r in rollouts], [r.truncated for r in rollouts])
@@ -440,6 +451,54 @@ def collect(cfg: Config, objective, engine, tokenizer, rows: list, step: int, d:
     return rollouts, metrics
 
 
+class Batches:
+    """The rollout batch of each step, in step order.
+
+    --train.off_policy_steps 0: each batch is generated when it is taken. 1: taking batch t
+    starts generating batch t+1 on rank 0 in the background, with the weights the engine
+    holds (version t), while every rank learns from batch t; the engine finishes it before it
+    loads version t+1 (rollout.Engine.in_background). So batch t > 0 comes from version t-1,
+    one update stale, and the engine correction (truncated IS weights on the engine's
+    log-probs against the trainer's at update time) covers the staleness as it covers the
+    engine-vs-trainer mismatch.
+    """
+
+    def __init__(self, cfg: Config, objective, engine, tokenizer, train_rows: list, d: Dist, ahead=None):
+        self.cfg, self.objective, self.engine, self.train_rows, self.d = cfg, objective, engine, train_rows, d
+        self.generates_ahead = cfg.train.off_policy_steps > 0 and not objective.references
+        # the background thread's own copy: a fast tokenizer used by two threads at once can
+        # fail ("Already borrowed") while the trainer's thread encodes the sync's probe
+        self.tokenizer = copy.deepcopy(tokenizer) if self.generates_ahead else tokenizer
+        # the next batch, being generated: a callable that returns it on rank 0 (waiting for the
+        # background job), or ignored on the other ranks; None: nothing ahead
+        self.ahead = ahead
+
+    def take(self, step: int):
+        """Batch `step` (rollouts on every rank, and its metrics); starts the next one ahead."""
+        t0 = time.perf_counter()
+        if self.ahead is None:
+            rollouts, metrics = self.collect(step, self.d)
+        else:
+            rollouts, metrics = rank0_call(self.d, self.ahead)
+        self.ahead = None
+        if self.generates_ahead and step + 1 < self.cfg.train.steps:
+            # rank 0 alone (world 1): the other ranks get the batch when it is taken
+            self.ahead = (self.engine.in_background(lambda: self.collect(step + 1, dataclasses.replace(self.d, world=1)),
+                                                    name=f"generation of batch {step + 1}").result
+                          if self.d.rank == 0 else lambda: None)
+        metrics["time/wait_rollout_s"] = time.perf_counter() - t0
+        metrics["async/staleness"] = sum(step - r.policy_version for r in rollouts) / max(len(rollouts), 1)
+        return rollouts, metrics
+
+    def collect(self, step: int, d: Dist):
+        rows = batch_rows(self.train_rows, step, self.cfg.train.prompts_per_step, self.cfg.train.seed)
+        return collect(self.cfg, self.objective, self.engine, self.tokenizer, rows, step, d)
+
+    def next_batch(self):
+        """Rank 0: the batch generated ahead (finished after a sync), for a checkpoint; else None."""
+        return self.ahead() if self.ahead is not None and self.d.rank == 0 else None
+
+
 def prepare_rollouts(engine, tokenizer, rows, cfg: Config, objective, step: int):
     """Rank 0's part of a step: generate, score, the objective's prepare; and their metrics."""
     rollouts = generate_and_score(engine, tokenizer, rows, cfg, stream_seed("generation", cfg.train.seed, step),
@@ -461,14 +520,15 @@ def prepare_rollouts(engine, tokenizer, rows, cfg: Config, objective, step: int)
 
 
 def learn(cfg: Config, objective, trainer: Trainer, engine, tokenizer, rollouts: list, step: int, d: Dist) -> dict:
-    """Update the policy on the rollouts, update the teacher, sync the engine's weights."""
+    """Update the policy on the rollouts, update the teacher, sync the engine's weights (the
+    weights of step + 1 updates; the engine first finishes a batch it generates ahead)."""
     t0 = time.perf_counter()
     metrics, stepped = update_policy(cfg, objective, trainer, rollouts, step, pad_token_id(tokenizer), d)
     metrics["time/train_s"] = time.perf_counter() - t0 - metrics["time/teacher_s"]
     if trainer.models.teacher is not None:  # EMA only after a real optimizer step
         trainer.models.teacher.update(trainer.models.policy, stepped)
     if not objective.references:  # not `engine is not None`: only rank 0 holds the engine, all ranks sync
-        metrics.update(sync_engine(cfg, engine, trainer.models.policy, tokenizer, d))
+        metrics.update(sync_engine(cfg, engine, trainer.models.policy, tokenizer, d, version=step + 1))
     return metrics
 
 
@@ -662,51 +722,60 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
     """Run cfg.algo on the model in model_dir; returns the last logged metrics."""
     objective = objectives.OBJECTIVES[cfg.algo.name]
     torch.manual_seed(cfg.train.seed)
-    os.makedirs(cfg.log.out_dir, exist_ok=True)
+    resume = rank0_call(d, lambda: checkpoint_path(cfg.train.resume)) if cfg.train.resume else ""
+    rank0_call(d, lambda: check_out_dir(cfg, bool(resume), model_dir, objective))  # not after minutes of start-up
     tokenizer = load_tokenizer(model_dir)
     train_rows, eval_rows = load_data(cfg)
     generates = cfg.eval_only or not objective.references  # the same on every rank; only rank 0 holds the engine
     engine = start_engine(cfg, model_dir, tokenizer, train_rows + eval_rows, d) if generates else None
     logger = Logger(cfg, d.rank)
-    if cfg.eval_only:
-        return evaluate_only(cfg, engine, tokenizer, eval_rows, logger, d)
-    if cfg.ttt_prompts:
-        return test_time_self_distillation(cfg, objective, model_dir, engine, tokenizer, eval_rows, logger, d)
-    trainer = build_trainer(cfg, objective, model_dir, d)
-    start_step = load_checkpoint(cfg.train.resume, trainer) if cfg.train.resume else 0
-    if generates and start_step > 0:
-        sync_engine(cfg, engine, trainer.models.policy, tokenizer, d)
-    evaluate_now = lambda step: generates and cfg.train.eval_every and (
-        step % cfg.train.eval_every == 0 or step == cfg.train.steps)
-    metrics = {}
-    if evaluate_now(0) and start_step == 0:
-        metrics = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))
-        logger.log(0, metrics)
+    try:  # the engine's processes end with the run, also on an error or Ctrl-C
+        if cfg.eval_only:
+            return evaluate_only(cfg, engine, tokenizer, eval_rows, logger, d)
+        if cfg.ttt_prompts:
+            return test_time_self_distillation(cfg, objective, model_dir, engine, tokenizer, eval_rows, logger, d)
+        trainer = build_trainer(cfg, objective, model_dir, d)
+        start_step, ahead = load_checkpoint(resume, trainer, cfg, d) if resume else (0, None)
+        if resume:
+            logger.truncate(start_step)  # a killed run logged steps past its checkpoint
+        if generates and start_step > 0:
+            sync_engine(cfg, engine, trainer.models.policy, tokenizer, d, version=start_step)
+        evaluate_now = lambda step: generates and cfg.train.eval_every and (
+            step % cfg.train.eval_every == 0 or step == cfg.train.steps)
+        metrics = {}
+        if evaluate_now(0) and start_step == 0:
+            metrics = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))
+            logger.log(0, metrics)
 
-    progress = logger.progress(start_step, cfg.train.steps)
-    for step in range(start_step, cfg.train.steps):
-        t_step = time.perf_counter()
-        # 1. sample prompts
-        rows = batch_rows(train_rows, step, cfg.train.prompts_per_step, cfg.train.seed)
-        # 2-4. generate, score, write what the objective needs (advantages, teacher contexts)
-        rollouts, metrics = collect(cfg, objective, engine, tokenizer, rows, step, d)
-        # 5-7. update the policy (mini-batches of micro-batches), the teacher; sync the engine, with proof
-        metrics.update(learn(cfg, objective, trainer, engine, tokenizer, rollouts, step, d))
-        metrics["time/step_s"] = time.perf_counter() - t_step
-        metrics["throughput/tokens_per_s"] = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts) / metrics["time/step_s"]
-        # 8. evaluate, log, checkpoint
-        if evaluate_now(step + 1):
-            metrics.update(rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed)))
-        logger.log(step + 1, metrics)
-        progress.update(metrics)
-        if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
-            save_checkpoint(os.path.join(cfg.log.out_dir, f"checkpoint-{step + 1}"), trainer, step + 1)
-    progress.close()
-    save_hf(os.path.join(cfg.log.out_dir, "final"), trainer.models.policy, tokenizer, d)
-    logger.close()
-    if engine is not None:
-        engine.close()
-    return metrics
+        batches = Batches(cfg, objective, engine, tokenizer, train_rows, d, ahead)
+        progress = logger.progress(start_step, cfg.train.steps)
+        for step in range(start_step, cfg.train.steps):
+            t_step = time.perf_counter()
+            # 1-4. sample prompts; generate, score, write what the objective needs (advantages, teacher
+            # contexts). With --train.off_policy_steps 1 this batch was generated during the last
+            # update, and the engine starts on the next one now
+            rollouts, metrics = batches.take(step)
+            # 5-7. update the policy (mini-batches of micro-batches), the teacher; sync the engine, with proof
+            learned = learn(cfg, objective, trainer, engine, tokenizer, rollouts, step, d)
+            metrics["time/wait_rollout_s"] += learned.pop("time/wait_rollout_s", 0.0)  # generating ahead: at the sync
+            metrics.update(learned)
+            metrics["time/step_s"] = time.perf_counter() - t_step
+            metrics["throughput/tokens_per_s"] = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts) / metrics["time/step_s"]
+            # 8. evaluate, log, checkpoint
+            if evaluate_now(step + 1):
+                metrics.update(rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed)))
+            logger.log(step + 1, metrics)
+            progress.update(metrics)
+            if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
+                save_checkpoint(os.path.join(cfg.log.out_dir, f"checkpoint-{step + 1}"), trainer, step + 1,
+                                batches.next_batch(), d)
+        progress.close()
+        save_hf(os.path.join(cfg.log.out_dir, "final"), trainer.models.policy, tokenizer, d)
+        return metrics
+    finally:
+        logger.close()
+        if engine is not None:
+            engine.close()
 
 
 def load_tokenizer(model_dir: str):
@@ -722,11 +791,18 @@ def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
     """Rank 0's vLLM engine (None on other ranks). Started before the trainer: an in-process
     engine sets up its own single-process distributed state."""
     from rollout import Engine
-    own = {"auto": None, "inprocess": False, "own": True}[cfg.rollout.engine_process]
+    # Generating ahead runs the engine beside the trainer's computation: in its own process,
+    # not in a thread of the trainer's (the GIL, and on CPU the trainer's OpenMP threads).
+    ahead = cfg.train.off_policy_steps > 0
+    if ahead and cfg.rollout.engine_process == "inprocess":
+        raise ValueError("--train.off_policy_steps 1 needs the engine in its own process "
+                         "(--rollout.engine_process own or auto)")
+    own = {"auto": True if ahead else None, "inprocess": False, "own": True}[cfg.rollout.engine_process]
     return rank0_call(d, lambda: Engine(
         model_dir, placement=cfg.rollout.placement, dtype=engine_dtype(cfg, d.device), seed=cfg.train.seed,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, max_model_len=cfg.rollout.max_model_len,
-        own_process=own, kv_cache_tokens=kv_cache_tokens(cfg, model_dir, tokenizer, rows, d.device)), share=False)
+        own_process=own, rpc_timeout_s=cfg.rollout.rpc_timeout_s,
+        kv_cache_tokens=kv_cache_tokens(cfg, model_dir, tokenizer, rows, d.device)), share=False)
 
 
 def evaluate_only(cfg: Config, engine, tokenizer, eval_rows: list, logger, d: Dist) -> dict:
@@ -735,7 +811,6 @@ def evaluate_only(cfg: Config, engine, tokenizer, eval_rows: list, logger, d: Di
     if cfg.teacher_gap:
         metrics.update(rank0_call(d, lambda: teacher_gap(engine, tokenizer, eval_rows, cfg, cfg.train.seed)))
     logger.log(0, metrics)
-    logger.close()
     return metrics
 
 
@@ -762,7 +837,7 @@ def test_time_self_distillation(cfg: Config, objective, model_dir: str, engine, 
     found = {"ttt": [], "best_of_k": []}
     for i, row in enumerate(hard):
         trainer = build_trainer(cfg, objective, model_dir, d)
-        metrics = sync_engine(cfg, engine, trainer.models.policy, tokenizer, d)  # the initial weights again
+        metrics = sync_engine(cfg, engine, trainer.models.policy, tokenizer, d, version=0)  # the initial weights again
         best = rank0_call(d, lambda: generate_and_score(
             engine, tokenizer, [row], cfg, stream_seed("generation", cfg.train.seed, 500_000 + i), n * steps,
             cfg.rollout.temperature))
@@ -783,8 +858,6 @@ def test_time_self_distillation(cfg: Config, objective, model_dir: str, engine, 
         for j in range(1, steps + 1):
             summary[f"{kind}/discovery@{j * n}"] = sum(a is not None and a <= j * n for a in ats) / max(len(ats), 1)
     logger.log(len(hard) + 1, summary)
-    logger.close()
-    engine.close()
     return summary
 
 
@@ -803,9 +876,11 @@ def build_trainer(cfg: Config, objective, model_dir: str, d: Dist) -> Trainer:
     return Trainer(models, optimizer, scheduler)
 
 
-def sync_engine(cfg: Config, engine, policy, tokenizer, d: Dist) -> dict:
-    """Load the policy's weights into the engine and prove it: the engine's log-probs of a
-    fixed probe must match the trainer's within --rollout.sync_tol (rollout.py)."""
+def sync_engine(cfg: Config, engine, policy, tokenizer, d: Dist, version: int) -> dict:
+    """Load the policy's weights (the version-th) into the engine and prove it: the engine's
+    log-probs of a fixed probe must match the trainer's within --rollout.sync_tol (rollout.py).
+    Also times the waits: the trainer's for a batch the engine generates ahead, and the
+    engine's, idle since its last generation."""
     from rollout import probe_ids
     t0 = time.perf_counter()
     state = full_state_dict(policy, d.world)
@@ -816,8 +891,9 @@ def sync_engine(cfg: Config, engine, policy, tokenizer, d: Dist) -> dict:
             h, w, packed.targets)[0])
     reshard(policy)
     tol = cfg.rollout.sync_tol or (1e-3 if engine_dtype(cfg, d.device) == "float32" else 1.0)
-    result = rank0_call(d, lambda: engine.update_weights(state, probe, probe_lp.cpu(), tol))
-    return {"sync/seconds": time.perf_counter() - t0, "sync/probe_max_abs_diff": result.probe_max_abs_diff}
+    result = rank0_call(d, lambda: engine.update_weights(state, probe, probe_lp.cpu(), tol, version))
+    return {"sync/seconds": time.perf_counter() - t0 - result.waited_s, "sync/probe_max_abs_diff": result.probe_max_abs_diff,
+            "time/wait_rollout_s": result.waited_s, "time/wait_sync_s": result.engine_idle_s}
 
 
 def kv_cache_tokens(cfg: Config, model_dir: str, tokenizer, rows: list, device) -> int:
@@ -851,15 +927,34 @@ def engine_dtype(cfg: Config, device) -> str:
 # Checkpoints and logging
 
 
-def save_checkpoint(path: str, trainer: Trainer, step: int):
+NEXT_BATCH = "next_batch.pt"  # in a checkpoint of a run generating ahead: the batch of its next step
+
+
+def save_checkpoint(path: str, trainer: Trainer, step: int, next_batch, d: Dist):
     """Policy, optimizer, the optional models and the RNG state (torch.distributed.checkpoint:
-    every rank writes its shards)."""
+    every rank writes its shards) and, generating ahead, the next step's batch (rank 0's
+    next_batch: its rollouts were generated with the weights before this step's update, which
+    a resumed run no longer has). Written as path.partial and renamed when complete, so that
+    a run killed during a save leaves no checkpoint under a name that `--train.resume` takes."""
     import torch.distributed.checkpoint as dcp
-    dcp.save(checkpoint_state(trainer, step), checkpoint_id=path)
+    partial = path + ".partial"
+    if d.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
+    barrier(d)
+    dcp.save(checkpoint_state(trainer, step), checkpoint_id=partial)  # fsyncs its files
+    if d.rank == 0:
+        if next_batch is not None:
+            with open(os.path.join(partial, NEXT_BATCH), "wb") as f:
+                torch.save(next_batch, f)
+                f.flush()
+                os.fsync(f.fileno())
+        replace_dir(partial, path)
+    barrier(d)
 
 
-def load_checkpoint(path: str, trainer: Trainer) -> int:
-    """Restore what save_checkpoint wrote into trainer; returns the step to continue from."""
+def load_checkpoint(path: str, trainer: Trainer, cfg: Config, d: Dist):
+    """Restore what save_checkpoint wrote into trainer. Returns the step to continue from and,
+    when generating ahead and the checkpoint holds it, the next batch for Batches (else None)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
     state = checkpoint_state(trainer, 0)
@@ -870,7 +965,44 @@ def load_checkpoint(path: str, trainer: Trainer) -> int:
         trainer.models.teacher.load_state_dict(state["teacher"])
     torch.set_rng_state(state["meta"]["torch_rng"])
     random.setstate(state["meta"]["python_rng"])
-    return int(state["meta"]["step"])
+    file = os.path.join(path, NEXT_BATCH)
+    if not (cfg.train.off_policy_steps and rank0_call(d, lambda: os.path.exists(file))):
+        return int(state["meta"]["step"]), None
+    batch = torch.load(file, weights_only=False) if d.rank == 0 else None
+    return int(state["meta"]["step"]), lambda: batch
+
+
+def checkpoint_path(resume: str) -> str:
+    """--train.resume: a checkpoint directory, or a run's out_dir (its latest complete checkpoint)."""
+    import re
+    if os.path.exists(os.path.join(resume, ".metadata")):  # torch.distributed.checkpoint's index
+        return resume
+    steps = [int(m.group(1)) for m in map(re.compile(r"checkpoint-(\d+)").fullmatch,
+                                           os.listdir(resume) if os.path.isdir(resume) else []) if m]
+    if not steps:
+        raise FileNotFoundError(f"--train.resume {resume}: neither a checkpoint nor a run directory holding one "
+                                "(checkpoint-N, written by --train.save_every)")
+    return os.path.join(resume, f"checkpoint-{max(steps)}")
+
+
+def replace_dir(src: str, dst: str):
+    """Rename the directory src to dst, replacing dst; durable once it returns."""
+    old = dst + ".old"
+    if os.path.exists(dst):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(dst, old)
+    os.rename(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
+    fd = os.open(os.path.dirname(os.path.abspath(dst)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def barrier(d: Dist):
+    if d.world > 1:
+        dist.barrier()
 
 
 def checkpoint_state(trainer: Trainer, step: int) -> dict:
@@ -884,13 +1016,56 @@ def checkpoint_state(trainer: Trainer, step: int) -> dict:
 
 
 def save_hf(path: str, policy, tokenizer, d: Dist):
-    """An ordinary HF directory (transformers and vLLM load it)."""
+    """An ordinary HF directory (transformers and vLLM load it), written whole or not at all
+    (the warm-start cache takes a directory with a config.json as complete)."""
     state = full_state_dict(policy, d.world)
     if d.rank == 0:
-        policy.hf.save_pretrained(path, state_dict=state)
-        tokenizer.save_pretrained(path)
-    if d.world > 1:
-        dist.barrier()
+        partial = path + ".partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        policy.hf.save_pretrained(partial, state_dict=state)
+        tokenizer.save_pretrained(partial)
+        replace_dir(partial, path)
+    barrier(d)
+
+
+def check_out_dir(cfg: Config, resuming: bool, model_dir: str = "", objective=None):
+    """Fail at the start, naming the path, when --log.out_dir cannot be written, holds an
+    earlier run's checkpoints (which `--train.resume OUT_DIR` would take for this run's), or
+    (given the model) lacks the space for the final model and a first checkpoint."""
+    out = cfg.log.out_dir
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise OSError(e.errno, f"--log.out_dir {out} is not writable: {e.strerror}") from e
+    earlier = sorted(name for name in os.listdir(out) if name.startswith("checkpoint-") and "." not in name)
+    if earlier and not resuming:
+        raise FileExistsError(f"--log.out_dir {out} holds checkpoints of an earlier run ({', '.join(earlier[-3:])}): "
+                              f"continue it with --train.resume {out}, or choose another --log.out_dir")
+    if not model_dir:
+        return
+    model = 4 * parameter_count(model_dir)  # float32, as the trainer holds and saves it
+    copies = 3 + ("teacher" in objective.models and cfg.sdpo.teacher != "live")  # + AdamW's two moments, the teacher
+    saves = cfg.train.steps // cfg.train.save_every if cfg.train.save_every else 0
+    need, total = model + min(saves, 1) * copies * model, model + saves * copies * model
+    free = shutil.disk_usage(out).free
+    if free < need:
+        raise OSError(28, f"--log.out_dir {out} has {free / 2**30:.3g} GiB free; the run writes at least "
+                          f"{need / 2**30:.3g} GiB (the final model and a checkpoint)")  # 28: ENOSPC
+    if free < total:
+        print(f"warning: --log.out_dir {out} has {free / 2**30:.3g} GiB free; the run's {saves} checkpoints "
+              f"and final model take {total / 2**30:.3g} GiB", file=sys.stderr)
+
+
+def parameter_count(model_dir: str) -> int:
+    from safetensors import safe_open
+    count = 0
+    for name in os.listdir(model_dir):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, name), "pt") as f:
+                count += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return count
 
 
 class Logger:
@@ -919,8 +1094,21 @@ class Logger:
     def progress(self, start, total):
         return Progress(start, total, self.rank == 0 and self.cfg.log.progress, self.cfg.algo.name)
 
+    def truncate(self, step: int):
+        """Drop the records after step (a resumed run logs them again)."""
+        if self.rank != 0:
+            return
+        path = self.file.name
+        self.file.close()
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        with open(path + ".partial", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".partial", path)
+        self.file = open(path, "a")
+
     def close(self):
-        if self.rank == 0:
+        if self.rank == 0 and not self.file.closed:
             self.file.close()
             if self.run is not None:
                 self.run.finish()
@@ -995,6 +1183,7 @@ def parse_config(argv=None) -> Config:
 def main(argv=None):
     cfg = parse_config(argv)
     d = setup_distributed()
+    rank0_call(d, lambda: check_out_dir(cfg, resuming=bool(cfg.train.resume)))  # not after the warm start
     t0 = time.perf_counter()
     model_dir = resolve_model(cfg, d)
     metrics = train(cfg, model_dir, d)
