@@ -32,7 +32,12 @@ global state: torch.distributed, thread settings, environment variables):
              init std is 0.02, so 0.1 and up is a heavy perturbation); also the max-abs-diff over
              every token of 16 task sequences, to show how representative the probe is.
              (Run with OMP_NUM_THREADS=1: these are numbers, not timings.)
-The last line is `RESULT gen_tok_s=... sync_s_inprocess=... sync_s_own_process=... sync_over_shm_write=...`
+  at size   (--at-size, on by default) the in-process and own-process syncs again for a model
+             of >= 100M parameters: a random Qwen2 of AT_SIZE's shape (~113M, 438 MB float32)
+             with the tiny tokenizer, built locally and cached, or --at-size-model DIR (e.g.
+             SmolLM2-135M-Instruct); seconds, MB/s and the own-process sync over one /dev/shm
+             write, on a second RESULT line.
+The first RESULT line is `RESULT gen_tok_s=... sync_s_inprocess=... sync_s_own_process=... sync_over_shm_write=...`
 (gen_tok_s and sync_s_inprocess: the in-process engine in the environment the bench was started in).
 """
 
@@ -166,7 +171,8 @@ def child(mode, args):
         return
 
     prompts = task_prompts(tokenizer, args.prompts)
-    engine.generate(prompts[:4], n=2, temperature=1.0, max_tokens=8, seed=12345)  # warm-up
+    if args.gen_repeats:
+        engine.generate(prompts[:4], n=2, temperature=1.0, max_tokens=8, seed=12345)  # warm-up
     rates = []
     for rep in range(args.gen_repeats):
         t0 = time.perf_counter()
@@ -174,7 +180,7 @@ def child(mode, args):
         seconds = time.perf_counter() - t0
         tokens = sum(len(s.response_ids) for group in samples for s in group)
         rates.append((tokens / seconds, tokens, seconds))
-    rate, tokens, seconds = sorted(rates)[len(rates) // 2]  # the median call
+    rate, tokens, seconds = sorted(rates)[len(rates) // 2] if rates else (float("nan"), 0, float("nan"))
     out.update(gen_seconds=seconds, gen_tokens=tokens, gen_tok_s=rate, gen_tok_s_all=[r[0] for r in rates],
                prompt_tokens=sum(len(p) for p in prompts) * args.n)
 
@@ -189,20 +195,47 @@ def child(mode, args):
     if mode == "own":
         out["shm_write_s"] = shm_write_seconds(state_of(hf))
     out["state_mb"] = sum(v.numel() * v.element_size() for v in state_of(hf).values()) / 2 ** 20
+    out["params_m"] = sum(p.numel() for p in hf.parameters()) / 1e6
     print("CHILD " + json.dumps(out), flush=True)
     engine.close()
 
 
-def run_child(mode, args):
+def run_child(mode, args, model="", gen_repeats=None, syncs=None, kv_tokens=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--prompts", str(args.prompts), "--n", str(args.n),
-           "--max-tokens", str(args.max_tokens), "--syncs", str(args.syncs), "--gen-repeats", str(args.gen_repeats), "--kv_tokens", str(args.kv_tokens),
-           "--sft-steps", str(args.sft_steps)] + (["--model", args.model] if args.model else [])
+           "--max-tokens", str(args.max_tokens), "--syncs", str(syncs or args.syncs),
+           "--gen-repeats", str(args.gen_repeats if gen_repeats is None else gen_repeats),
+           "--kv_tokens", str(kv_tokens or args.kv_tokens), "--sft-steps", str(args.sft_steps)]
+    model = model or args.model
+    cmd += ["--model", model] if model else []
     env = {**os.environ, **CHILD_ENV.get(mode, {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHILD ")]
     if proc.returncode != 0 or not lines:
         sys.exit(f"child {mode} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return json.loads(lines[-1][len("CHILD "):])
+
+
+AT_SIZE = dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)  # ~113M parameters
+
+
+def at_size(args):
+    """Weight sync of a model of real size (>= 100M parameters): a random Qwen2 of AT_SIZE's
+    shape with the tiny model's tokenizer, built locally and cached, or --at-size-model."""
+    import data
+    model = args.at_size_model or data.tiny_model_dir(data.TinyModelConfig(**AT_SIZE))
+    res = {}
+    for mode in ("inprocess", "own"):
+        res[mode] = r = run_child(mode, args, model=model, gen_repeats=0, syncs=args.at_size_syncs, kv_tokens=4096)  # syncs only: a small cache
+        mb_s = r["state_mb"] / r["sync_s"]
+        print(f"[at size {r['params_m']:.0f}M, {mode}] sync of {r['state_mb']:.0f} MB float32: mean {r['sync_s']:.3f} s "
+              f"({', '.join(f'{t:.3f}' for t in r['sync_s_all'])}) = {mb_s:.0f} MB/s; probe diff max "
+              f"{r['probe_diff_max']:.2e}" + (f"; /dev/shm write {r['shm_write_s']:.3f} s, sync / write = "
+                                             f"{r['sync_s'] / r['shm_write_s']:.2f}" if mode == "own" else ""), flush=True)
+    own = res["own"]
+    print(f"RESULT at_size params_m={own['params_m']:.0f} state_mb={own['state_mb']:.0f} "
+          f"sync_s_inprocess={res['inprocess']['sync_s']:.3f} sync_s_own_process={own['sync_s']:.3f} "
+          f"sync_mb_s_own_process={own['state_mb'] / own['sync_s']:.0f} "
+          f"sync_over_shm_write={own['sync_s'] / own['shm_write_s']:.2f}")
 
 
 def main():
@@ -216,6 +249,10 @@ def main():
     parser.add_argument("--kv_tokens", type=int, default=65536, help="tokens of KV cache (CPU)")
     parser.add_argument("--sft-steps", type=int, default=200, help="bf16 check: SFT steps of the trained copy")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--at-size", default=True, action=argparse.BooleanOptionalAction,
+                        help="also measure the sync of a >= 100M-parameter model")
+    parser.add_argument("--at-size-model", default="", help="a local HF directory for it (default: random Qwen2 ~113M)")
+    parser.add_argument("--at-size-syncs", type=int, default=3)
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -256,6 +293,8 @@ def main():
     ratio = res["own"]["sync_s"] / res["own"]["shm_write_s"] if "own" in res else float("nan")
     print(f"RESULT gen_tok_s={field('inprocess', 'gen_tok_s', '.1f')} sync_s_inprocess={field('inprocess', 'sync_s', '.4f')} "
           f"sync_s_own_process={field('own', 'sync_s', '.4f')} sync_over_shm_write={ratio:.2f}")
+    if args.at_size:
+        at_size(args)
 
 
 if __name__ == "__main__":
