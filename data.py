@@ -299,6 +299,8 @@ def load_image(value, base_dir: str, where: str):
     if isinstance(value, Image.Image):
         return value.convert("RGB")
     if isinstance(value, dict):
+        if value.get("bytes") is not None and not isinstance(value["bytes"], (bytes, bytearray)):
+            raise DataError(f"{where}: 'bytes' must hold the encoded image, got {type(value['bytes']).__name__}")
         value = value.get("bytes") if value.get("bytes") is not None else value.get("path")
     try:
         if isinstance(value, (bytes, bytearray)):
