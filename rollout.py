@@ -89,6 +89,18 @@ def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
     return 2 * text["num_hidden_layers"] * kv_heads * head_dim * width
 
 
+def checkpoint_state(hf_model, state: dict) -> dict:
+    """A model's state dict under the names of its checkpoint, which the engine loads:
+    transformers 5 renames some models' weights on loading (Qwen2.5-VL: `visual.*` becomes
+    `model.visual.*`, `model.layers.*` becomes `model.language_model.layers.*`) and back on
+    saving. A tied LM head gets its `lm_head.weight` (see _checkpoint_keys)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    state = revert_weight_conversion(hf_model, dict(state))
+    if hf_model.config.get_text_config().tie_word_embeddings and state and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
 def _checkpoint_keys(model_dir: str) -> set[str]:
     """Keys a full sync must carry: the checkpoint's, plus lm_head.weight of a tied model,
     which HF does not save but vLLM's layerwise reload waits for."""
@@ -241,7 +253,11 @@ class Engine:
             weights = [(k, v.detach()) for k, v in state_dict.items()]
             self._call("weight sync", self.llm.collective_rpc, "reload_weights", timeout=self.rpc_timeout_s,
                        kwargs={"weights_iterator": iter(weights)})
-        ok = self._call("prefix cache reset", self.llm.reset_prefix_cache)
+        self._call("prefix cache reset", self.llm.reset_prefix_cache)
+        if self.vision:
+            # vLLM keeps the vision tower's outputs per picture; after a reload they are stale, and
+            # the reload empties the worker's copy but not the scheduler's ("Encoder cache miss").
+            self._call("encoder cache reset", self.llm.llm_engine.reset_encoder_cache)
         engine_probe = torch.tensor(self.score([probe_ids], [probe_images] if probe_images else None)[0])
         if engine_probe.shape != trainer_probe_logprobs.shape:
             raise EngineError(f"weight sync probe: the engine scored {len(engine_probe)} tokens, the trainer "

@@ -30,6 +30,7 @@ import data
 import feedback
 import losses
 import sdpo
+from rollout import checkpoint_state
 from teacher import Teacher, full_tensor, reshard
 
 # ----------------------------------------------------------------------------------------
@@ -235,9 +236,7 @@ def full_state_dict(model: CausalLM, world: int) -> dict:
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         state = get_model_state_dict(model.hf, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if model.hf.config.tie_word_embeddings and state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]  # the engine needs it (rollout.py)
-    return state
+    return checkpoint_state(model.hf, state)  # the engine's names, and a tied lm_head.weight
 
 
 @dataclass
