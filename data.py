@@ -445,7 +445,13 @@ def chat_prompt_ids(tokenizer, messages: list[dict], max_len: int = 0) -> list[i
     if max_len and len(ids) > max_len:
         bare = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
         protected_tail = len(ids) - len(tokenizer(bare, add_special_tokens=False)["input_ids"]) + 1
-        ids = truncate_middle(ids, max_len, keep_tail=protected_tail)
+        cut = truncate_middle(ids, max_len, keep_tail=protected_tail)
+        vision = set(tokenizer.convert_tokens_to_ids([t for t in VISION_TOKENS if t in tokenizer.get_vocab()]))
+        if sum(t in vision for t in cut) != sum(t in vision for t in ids):
+            # a half-cut image placeholder would no longer match the row's images
+            raise ValueError(f"a prompt with images is {len(ids)} tokens (before its image tokens are expanded); "
+                             f"cutting it to {max_len} would cut through an image: raise the prompt length limit")
+        ids = cut
     return ids
 
 

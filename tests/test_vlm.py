@@ -278,6 +278,20 @@ def test_image_prompts_expand_one_token_per_merged_patch(vlm_tokenizer, image_pr
         image_prompts(ids, [wide])
 
 
+def test_prompt_truncation_never_cuts_an_image(vlm_tokenizer):
+    text = {"type": "text", "text": "How many shapes? " * 5}
+    messages = [{"role": "user", "content": [text, {"type": "image"}, text]}]  # the picture in the middle
+    full = data.chat_prompt_ids(vlm_tokenizer, messages)
+    assert data.chat_prompt_ids(vlm_tokenizer, messages, max_len=len(full)) == full
+    with pytest.raises(ValueError, match="would cut through an image"):
+        data.chat_prompt_ids(vlm_tokenizer, messages, max_len=len(full) // 2)
+    # text on one side of the picture can go
+    messages[0]["content"] = messages[0]["content"][1:]
+    tail = data.chat_prompt_ids(vlm_tokenizer, messages)
+    cut = data.chat_prompt_ids(vlm_tokenizer, messages, max_len=len(tail) - 10)
+    assert len(cut) == len(tail) - 10 and cut.count(vlm_tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 1
+
+
 def test_the_picture_changes_what_the_model_predicts(vlm_tokenizer, image_prompts, hf):
     import rollout
     ids, (picture,) = rollout.image_probe(vlm_tokenizer)
