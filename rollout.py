@@ -155,14 +155,14 @@ class Engine:
         # On CPU, a seeded request caught mid-way through a chunked prefill makes vLLM rewind
         # its torch.Generator, which CPU generators cannot do ("CPU Generator does not use
         # offset"): prefill whole prompts instead.
-        cpu_args = {} if torch.cuda.is_available() else {
+        engine_args = {} if torch.cuda.is_available() else {
             "enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
         if kv_cache_tokens and not torch.cuda.is_available():
             self.kv_cache_bytes = max(kv_cache_tokens, max_model_len) * kv_bytes_per_token(model_dir, dtype)
-            cpu_args["kv_cache_memory_bytes"] = self.kv_cache_bytes
+            engine_args["kv_cache_memory_bytes"] = self.kv_cache_bytes
         self.vision = "vision_config" in _config(model_dir)
         if self.vision:  # images only: no video processor without torchvision, and no video budget to profile
-            cpu_args["limit_mm_per_prompt"] = {"image": MAX_IMAGES_PER_PROMPT, "video": 0}
+            engine_args["limit_mm_per_prompt"] = {"image": MAX_IMAGES_PER_PROMPT, "video": 0}
             _use_plugins(env)
         t0 = time.perf_counter()
         with _patched_env(env, TORCHRUN_VARS if own_process else ()):
@@ -172,7 +172,7 @@ class Engine:
                 # Log-probs after temperature: the ones the sampler actually drew from, which
                 # the trainer reproduces by dividing its logits by the same temperature.
                 logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                **cpu_args,
+                **engine_args,
             )
         self.start_seconds = time.perf_counter() - t0
 
