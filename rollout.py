@@ -89,7 +89,7 @@ def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
     return 2 * text["num_hidden_layers"] * kv_heads * head_dim * width
 
 
-def checkpoint_state(hf_model, state: dict) -> dict:
+def engine_state(hf_model, state: dict) -> dict:
     """A model's state dict under the names of its checkpoint, which the engine loads:
     transformers 5 renames some models' weights on loading (Qwen2.5-VL: `visual.*` becomes
     `model.visual.*`, `model.layers.*` becomes `model.language_model.layers.*`) and back on

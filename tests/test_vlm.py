@@ -391,7 +391,7 @@ def test_weight_sync_of_the_vision_tower_is_proven_by_the_image_probe(engine, hf
     assert (target - before).abs().max() > 1e-3
 
     def state_of(model):
-        return rollout.checkpoint_state(model, {k: v.detach() for k, v in model.state_dict().items()})
+        return rollout.engine_state(model, {k: v.detach() for k, v in model.state_dict().items()})
 
     assert engine.expected_keys == set(state_of(new))
     assert any(k.startswith("visual.") for k in engine.expected_keys)
