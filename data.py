@@ -165,6 +165,7 @@ def _shapes_row(rng: random.Random, cfg: TaskConfig) -> dict:
 
 TASKS = {"arith": _arith_row, "strops": _strops_row, "shapes": _shapes_row}
 TEXT_TASKS = ("arith", "strops")
+IMAGE_TASKS = ("shapes",)  # their default model is the tiny vision-language one
 
 
 def wrong_response(row: dict, rng: random.Random) -> str | None:
@@ -526,14 +527,18 @@ def chat_prompt_ids(tokenizer, messages: list[dict], max_len: int = 0) -> list[i
     if max_len and len(ids) > max_len:
         bare = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
         protected_tail = len(ids) - len(tokenizer(bare, add_special_tokens=False)["input_ids"]) + 1
-        cut = truncate_middle(ids, max_len, keep_tail=protected_tail)
-        vision = set(tokenizer.convert_tokens_to_ids([t for t in VISION_TOKENS if t in tokenizer.get_vocab()]))
-        if sum(t in vision for t in cut) != sum(t in vision for t in ids):
-            # a half-cut image placeholder would no longer match the row's images
-            raise ValueError(f"a prompt with images is {len(ids)} tokens (before its image tokens are expanded); "
-                             f"cutting it to {max_len} would cut through an image: raise the prompt length limit")
-        ids = cut
+        ids = keep_images(tokenizer, ids, truncate_middle(ids, max_len, keep_tail=protected_tail), "the prompt length limit")
     return ids
+
+
+def keep_images(tokenizer, ids: list[int], cut: list[int], limit: str) -> list[int]:
+    """cut (ids shortened) if it kept every image placeholder whole; else an error: a
+    half-cut placeholder would no longer match the row's images."""
+    vision = set(tokenizer.convert_tokens_to_ids([t for t in VISION_TOKENS if t in tokenizer.get_vocab()]))
+    if sum(t in vision for t in cut) != sum(t in vision for t in ids):
+        raise ValueError(f"a prompt with images is {len(ids)} tokens (before its image tokens are expanded); "
+                         f"cutting it to {len(cut)} would cut through an image: raise {limit}")
+    return cut
 
 
 def truncate_middle(ids: list[int], max_len: int, keep_tail: int = 0) -> list[int]:
@@ -596,6 +601,9 @@ class Packed:
     token_index [N]: their positions in the [B, R] right-padded response matrix (`shape`).
     prefix: None, or prompts shared by several sequences, run once (pack_shared_prefix):
     (ids [P, Lp], mask [P, Lp], positions [P, Lp], row [B]: which prefix each sequence extends).
+    images: None, or each sequence's pictures (a list, maybe empty), in the order of their
+    expanded image tokens; image_mask [B, L]: True at those tokens (not at image tokens the
+    model generated). The model turns them into pixel inputs (ImagePrompts.pixel_inputs).
     """
     input_ids: "torch.Tensor"
     attention_mask: "torch.Tensor"
@@ -604,12 +612,23 @@ class Packed:
     token_index: "torch.Tensor"
     shape: tuple
     prefix: tuple | None = None
+    images: list | None = None
+    image_mask: "torch.Tensor | None" = None
 
 
-def pack(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu") -> Packed:
-    """Right-padded sequences whose last response_lens[i] tokens are the response."""
+def pack(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu", images: list | None = None,
+         image_masks: list | None = None) -> Packed:
+    """Right-padded sequences whose last response_lens[i] tokens are the response.
+    images, image_masks: each sequence's pictures and where their tokens are (see Packed)."""
     ids, mask, hidden_index, targets, token_index = pack_responses(seqs, response_lens, pad_id, device)
-    return Packed(ids, mask, hidden_index, targets, token_index, (len(seqs), max(max(response_lens), 1)))
+    packed = Packed(ids, mask, hidden_index, targets, token_index, (len(seqs), max(max(response_lens), 1)))
+    if images and any(images):
+        import torch
+        packed.images = [list(im or []) for im in images]
+        packed.image_mask = torch.zeros_like(ids, dtype=torch.bool)
+        for b, m in enumerate(image_masks):
+            packed.image_mask[b, :len(m)] = torch.tensor(m, dtype=torch.bool)
+    return packed
 
 
 def pack_shared_prefix(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu") -> Packed:
@@ -841,6 +860,11 @@ def tiny_vlm_dir(cfg: TinyVLMConfig | None = None, cache_dir: str | None = None)
 # resized image, and the model puts the vision tower's outputs there.
 
 
+def is_vision_language(model_dir: str) -> bool:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return "vision_config" in json.load(f)
+
+
 @dataclass
 class ImageInputs:
     """What a vision-language forward takes besides the text: the ids with every image's
@@ -871,16 +895,69 @@ class ImagePrompts:
         self.processor = AutoImageProcessor.from_pretrained(model_dir)
         self.merge = self.processor.merge_size
 
+    def tokens_per_image(self, image) -> int:
+        return self.processor.get_number_of_image_patches(image.height, image.width) // self.merge ** 2
+
+    def expand(self, ids: list[int], images: list) -> tuple[list[int], list[int]]:
+        """(ids with each picture's one placeholder token repeated once per merged patch
+        group, 1 at those tokens else 0). The pictures' tokens are the first len(images) runs
+        of image tokens: ids already expanded (the engine's) come back unchanged. Image tokens
+        after them are text the model generated (vLLM embeds them as text, and so does
+        the trainer: run.CausalLM). A run of another length is an error."""
+        sizes, runs, i = [self.tokens_per_image(im) for im in images], [], 0
+        while i < len(ids) and len(runs) < len(images):
+            if ids[i] == self.image_token_id:
+                j = i
+                while j < len(ids) and ids[j] == self.image_token_id:
+                    j += 1
+                runs.append((i, j))
+                i = j
+            else:
+                i += 1
+        lengths = [j - i for i, j in runs]
+        if lengths == sizes or lengths == [1] * len(images):
+            out, mask, start = [], [], 0
+            for (i, j), size in zip(runs, sizes):
+                out += list(ids[start:i]) + [self.image_token_id] * size
+                mask += [0] * (i - start) + [1] * size
+                start = j
+            return out + list(ids[start:]), mask + [0] * (len(ids) - start)
+        raise ValueError(f"a sequence's image tokens come in runs of {lengths}, but its {len(images)} pictures need "
+                         f"runs of 1 (one placeholder each) or of {sizes} (expanded)")
+
+    def blank(self) -> tuple:
+        """([1, L] image mask, [[picture]]): a black square of the smallest size the
+        processor keeps, for forwards that must run the vision tower."""
+        from PIL import Image
+        side = self.processor.patch_size * self.merge
+        picture = Image.new("RGB", (side, side))
+        return [self.expand([self.image_token_id], [picture])[1]], [[picture]]
+
+    def pixel_inputs(self, image_mask, images: list) -> dict:
+        """Pixel values [patches, C*T*P*P] and grids [pictures, 3] of every sequence's pictures,
+        concatenated in row order: the order of the masked tokens in the flattened batch, which
+        is where they go. image_mask [B, L]: 1 at the pictures' tokens."""
+        import torch
+        flat = [im for row in images for im in row]
+        expected = sum(self.tokens_per_image(im) for im in flat)
+        if int(torch.as_tensor(image_mask).sum()) != expected:
+            raise ValueError(f"the batch has {int(torch.as_tensor(image_mask).sum())} picture tokens, its pictures "
+                             f"need {expected}")
+        unique = {id(im): im for im in flat}  # a prompt's samples share its picture objects: process each once
+        features = self.processor(images=list(unique.values()), return_tensors="pt")
+        chunks = features["pixel_values"].split(features["image_grid_thw"].prod(-1).tolist())
+        index = {key: i for i, key in enumerate(unique)}
+        order = [index[id(im)] for im in flat]
+        return {"pixel_values": torch.cat([chunks[i] for i in order]), "image_grid_thw": features["image_grid_thw"][order]}
+
     def __call__(self, prompt_ids: list[int], images: list) -> ImageInputs:
         """prompt_ids hold one image token per image, in the order of images."""
         count = sum(t == self.image_token_id for t in prompt_ids)
         if count != len(images):
             raise ValueError(f"the prompt has {count} image tokens but {len(images)} images were given")
+        ids, mask = self.expand(prompt_ids, images)
         if not images:
             import torch
-            return ImageInputs(list(prompt_ids), torch.zeros(0), torch.zeros(0, 3, dtype=torch.long), [0] * len(prompt_ids))
-        features = self.processor(images=images, return_tensors="pt")
-        sizes = iter((features["image_grid_thw"].prod(-1) // self.merge ** 2).tolist())
-        ids = [t for token in prompt_ids for t in ([token] * next(sizes) if token == self.image_token_id else [token])]
-        return ImageInputs(ids, features["pixel_values"], features["image_grid_thw"],
-                           [int(t == self.image_token_id) for t in ids])
+            return ImageInputs(ids, torch.zeros(0), torch.zeros(0, 3, dtype=torch.long), mask)
+        inputs = self.pixel_inputs([mask], [images])
+        return ImageInputs(ids, inputs["pixel_values"], inputs["image_grid_thw"], mask)
