@@ -408,3 +408,138 @@ def test_weight_sync_of_the_vision_tower_is_proven_by_the_image_probe(engine, hf
             engine.update_weights(state_of(new), ids, target[:-1], TOL, probe_images=pictures)
     finally:
         engine.update_weights(state_of(hf), ids, rollout.probe_logprobs(hf, ids, inputs), TOL, probe_images=pictures)
+
+
+# -----------------------------------------------------------------------------
+# the training loop on image prompts: the trainer's forward (run.CausalLM via objectives.pack),
+# SDPO's teacher contexts, a two-rank run
+
+
+@pytest.fixture(scope="module")
+def policy(vlm_dir):
+    import run
+    cfg = run.parse_config([])
+    return run.load_policy(vlm_dir, cfg, 1, torch.device("cpu")).eval()
+
+
+def loop_logprobs(policy, seqs, response_lens, images, temperature=1.0):
+    """Response log-probs [N] as the loop computes them: objectives.pack then the policy's forward."""
+    import losses
+    import objectives
+    packed = objectives.pack(policy, seqs, response_lens, 0, torch.device("cpu"), images=images)
+    with torch.no_grad():
+        return objectives.forward(policy, packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(
+            h, w, packed.targets, temperature)[0])
+
+
+def test_trainer_batches_pictures_as_the_hf_forward_sees_one_sequence(vlm_tokenizer, image_prompts, hf, policy,
+                                                                      image_batch):
+    """Three prompts (one with two pictures of other sizes), unexpanded and expanded, in one
+    right-padded batch: each response's log-probs equal transformers' own forward of that
+    sequence alone (pixel_values, mm_token_type_ids), the independent computation."""
+    prompts, images = image_batch
+    responses = [vlm_tokenizer("Answer: 2", add_special_tokens=False)["input_ids"],
+                 vlm_tokenizer("Answer: red square", add_special_tokens=False)["input_ids"],
+                 vlm_tokenizer("no", add_special_tokens=False)["input_ids"]]
+    expanded = [image_prompts(p, im).input_ids for p, im in zip(prompts, images)]
+    seqs = [prompts[0] + responses[0], expanded[1] + responses[1], prompts[2] + responses[2]]
+    got = loop_logprobs(policy, seqs, [len(r) for r in responses], images, temperature=0.7)
+    expected = torch.cat([trainer_logprobs(hf, image_prompts(p, im), r, 0.7)
+                          for p, im, r in zip(prompts, images, responses)])
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max() < TOL
+    # each sequence's pictures, not its neighbours': swapping them changes the log-probs
+    swapped = loop_logprobs(policy, seqs[:2], [len(r) for r in responses[:2]], images[1::-1])
+    assert (swapped - got[:len(swapped)]).abs().max() > 1e-3
+
+
+def test_image_tokens_the_policy_generated_are_text(vlm_tokenizer, image_prompts, hf, policy):
+    """A response holding <|image_pad|> (the tiny model samples it): the pictures go on the
+    prompt's runs of image tokens only, and the response's is embedded as a token, as vLLM does."""
+    row = data.task_rows("shapes", "test", 1)[0]
+    prompt = data.chat_prompt_ids(vlm_tokenizer, row["messages"])
+    pad = image_prompts.image_token_id
+    response = vlm_tokenizer("Answer: ", add_special_tokens=False)["input_ids"] + [pad, pad]
+    got = loop_logprobs(policy, [prompt + response], [len(response)], [row["images"]])
+    inputs = image_prompts(prompt, row["images"])
+    # transformers' forward puts features on every image token and so refuses this sequence ...
+    with pytest.raises(Exception, match="do not match"):
+        trainer_logprobs(hf, inputs, response, 1.0)
+    # ... but its tokens before the generated image token are scored the same, and the
+    # prefix through it is causal: the first two response log-probs do not see it
+    expected = trainer_logprobs(hf, inputs, response[:-2], 1.0)
+    assert (got[:len(response) - 2] - expected).abs().max() < TOL
+    assert torch.isfinite(got).all()
+    with pytest.raises(ValueError, match="runs of"):  # a half-expanded picture is refused
+        image_prompts.expand([t for token in prompt for t in ([token] * 8 if token == pad else [token])], row["images"])
+
+
+def test_teacher_context_keeps_the_picture(vlm_tokenizer, image_prompts, policy):
+    import objectives
+    import sdpo
+    rows = data.task_rows("shapes", "test", 2)
+    row = rows[0]
+    responses = [vlm_tokenizer(row["reference"], add_special_tokens=False)["input_ids"] + [vlm_tokenizer.eos_token_id],
+                 vlm_tokenizer("Answer: 7", add_special_tokens=False)["input_ids"] + [vlm_tokenizer.eos_token_id]]
+    cfg = sdpo.SdpoConfig()
+    batch = sdpo.build_teacher_batch(vlm_tokenizer, [row, row], responses, [row["reference"], "Answer: 7"],
+                                     [1.0, 0.0], ["", "wrong"], cfg)
+    assert batch.demo_index == [None, 0] and batch.mask == [0, 1]
+    ids = batch.input_ids[1]
+    assert ids[len(ids) - len(responses[1]):] == responses[1]  # the student's response ids, unchanged
+    text = vlm_tokenizer.decode(ids[:len(ids) - len(responses[1])])
+    marker = "<|vision_start|><|image_pad|><|vision_end|>"
+    assert text.count(marker) == 1 and f"Correct solution:\n\n{row['reference']}" in text
+    # the same as a text prompt holding the picture's placeholder where the picture was
+    question = "".join(marker if p["type"] == "image" else p["text"] for p in row["messages"][-1]["content"])
+    assert text == vlm_tokenizer.decode(sdpo.teacher_prompt_ids(
+        vlm_tokenizer, [{"role": "user", "content": question}], row["reference"], None, cfg))
+    # the teacher forward (a shared prefix asked for: the fallback) sees the picture
+    packed = objectives.pack(policy, [ids], [len(responses[1])], 0, torch.device("cpu"), images=[row["images"]],
+                             shared_prefix=True)
+    assert packed.prefix is None and int(packed.image_mask.sum()) == image_prompts.tokens_per_image(row["images"][0])
+    with_picture = loop_logprobs(policy, [ids], [len(responses[1])], [row["images"]])
+    other_picture = loop_logprobs(policy, [ids], [len(responses[1])], [rows[1]["images"]])
+    assert (with_picture - other_picture).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_engine_rollouts_score_the_same_in_the_trainer(engine, vlm_tokenizer, policy, image_batch):
+    """Engine log-probs of sampled tokens on image prompts against the loop's old-log-prob
+    pass (objectives.response_logprobs: micro-batches of mixed prompts, right-padded)."""
+    import objectives
+    import run
+    prompts, images = image_batch
+    rows = [{"uid": str(i), "images": im} for i, im in enumerate(images)]
+    worst, generated_image_tokens = 0.0, 0
+    for temperature in (1.0, 0.7):
+        out = engine.generate(prompts, n=4, temperature=temperature, max_tokens=24, seed=3, images=images)
+        rollouts = [objectives.Rollout(row=row, prompt_ids=s.prompt_ids, response_ids=s.response_ids,
+                                       rollout_logprobs=s.logprobs, text=s.text, truncated=s.truncated)
+                    for row, samples in zip(rows, out) for s in samples]
+        trainer = objectives.response_logprobs(policy, rollouts, vlm_tokenizer.pad_token_id, run.Dist(0, 1, torch.device("cpu")),
+                                               micro_batch=5, temperature=temperature)
+        for r, lp in zip(rollouts, trainer):
+            worst = max(worst, (torch.tensor(r.rollout_logprobs) - torch.tensor(lp)).abs().max().item())
+            generated_image_tokens += r.response_ids.count(data.ImagePrompts(engine.model_dir).image_token_id)
+    print(f"engine vs the loop's trainer forward on image prompts: max |diff| {worst:.2e} nats "
+          f"({generated_image_tokens} generated image tokens)")
+    assert worst < TOL
+
+
+@pytest.mark.slow
+def test_two_rank_torchrun_sdpo_on_the_picture_task(tmp_path):
+    """FSDP2 over two ranks with the vision tower sharded, uneven micro-batches (an idle rank
+    runs the tower on a blank picture), every sync proven by the image probe."""
+    from test_run import SMALL, _metrics, _run
+    out = str(tmp_path / "sdpo")
+    _run(SMALL + ["--data.task=shapes", "--algo=sdpo", "--train.mini_batches=3", "--train.micro_batch=2",
+                  "--sdpo.teacher_micro_batch=2", f"--log.out_dir={out}"], nproc=2, timeout=600)
+    steps = [r for r in _metrics(out) if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["sync/probe_max_abs_diff"] < 1e-3
+        assert r["actor/grad_norm"] > 0 and r["rollout/mismatch_kl"] < 1e-4
+    assert "eval/success_rate" in steps[-1] and "sdpo/divergence" in steps[-1]
+    from transformers import AutoModelForImageTextToText
+    AutoModelForImageTextToText.from_pretrained(os.path.join(out, "final"))
