@@ -38,6 +38,9 @@ PLUGIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_plug
 MAX_IMAGES_PER_PROMPT = 4
 
 
+KV_HEADROOM_TOKENS = 256  # two of vLLM's CPU KV blocks
+
+
 class EngineError(RuntimeError):
     """The engine died, timed out, or a weight sync did not arrive."""
 
@@ -158,7 +161,10 @@ class Engine:
         engine_args = {} if torch.cuda.is_available() else {
             "enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
         if kv_cache_tokens and not torch.cuda.is_available():
-            self.kv_cache_bytes = max(kv_cache_tokens, max_model_len) * kv_bytes_per_token(model_dir, dtype)
+            # vLLM holds one block back (its null block): without headroom a cache of exactly
+            # max_model_len tokens is refused ("estimated maximum model length is 1920")
+            tokens = max(kv_cache_tokens, max_model_len) + KV_HEADROOM_TOKENS
+            self.kv_cache_bytes = tokens * kv_bytes_per_token(model_dir, dtype)
             engine_args["kv_cache_memory_bytes"] = self.kv_cache_bytes
         self.vision = "vision_config" in _config(model_dir)
         if self.vision:  # images only: no video processor without torchvision, and no video budget to profile
