@@ -221,7 +221,8 @@ class DataError(ValueError):
 
 
 def parse_field_map(spec: str) -> dict:
-    """'prompt=question,answer=solution' -> {"prompt": "question", "answer": "solution"}."""
+    """'prompt=question,answer=solution' -> {"prompt": "question", "answer": "solution"}.
+    A column may be nested: answer=reward_model.ground_truth (see column)."""
     mapping = {f: f for f in FIELDS}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         ours, _, theirs = item.partition("=")
@@ -229,6 +230,17 @@ def parse_field_map(spec: str) -> dict:
             raise DataError(f"bad field mapping {item!r}: expected one of {FIELDS} '=' a column name")
         mapping[ours] = theirs
     return mapping
+
+
+def column(record: dict, name: str):
+    """record[name]; a dotted name reaches into nested records ('reward_model.ground_truth',
+    where verl's parquets keep the answer). None when absent."""
+    value = record
+    for key in name.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return record.get(name)  # a column whose name holds a dot
+        value = value[key]
+    return value
 
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
@@ -445,27 +457,27 @@ def load_rows(path: str, fields: str = "", reward: str = "math", limit: int = 0)
         def where(field):
             return f"{path}, row {row_no}, field '{field}' (column '{mapping[field]}')"
 
-        if mapping["prompt"] not in record or record[mapping["prompt"]] is None:
+        prompt = column(record, mapping["prompt"])
+        if prompt is None:
             raise DataError(f"{where('prompt')}: missing; the row has columns {sorted(record)}")
-        prompt = record[mapping["prompt"]]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _check_messages(prompt, where("prompt"))
-        messages, images = _attach_images(_split_placeholders(messages), record.get(mapping["images"]),
+        messages, images = _attach_images(_split_placeholders(messages), column(record, mapping["images"]),
                                           os.path.dirname(os.path.abspath(path)), where)
-        system = record.get(mapping["system"])
+        system = column(record, mapping["system"])
         if system is not None:
             if not isinstance(system, str):
                 raise DataError(f"{where('system')}: expected a string, got {type(system).__name__}")
             messages = [{"role": "system", "content": system}] + [m for m in messages if m["role"] != "system"]
         optional = {}
         for field in ("answer", "teacher_response"):
-            value = record.get(mapping[field])
+            value = column(record, mapping[field])
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 value = str(value)
             if value is not None and not isinstance(value, str):
                 raise DataError(f"{where(field)}: expected a string, got {type(value).__name__}")
             optional[field] = value
-        tests = record.get(mapping["tests"])
-        uid = record.get(mapping["uid"])
+        tests = column(record, mapping["tests"])
+        uid = column(record, mapping["uid"])
         rows.append({
             "uid": str(uid) if uid is not None else f"{os.path.basename(path)}:{row_no}",
             "messages": messages,

@@ -190,6 +190,15 @@ def test_parquet_images_as_geo3k_stores_them(tmp_path, pictures):
     assert row["images"] == [images[2]]
     assert row["messages"][0] == {"role": "system", "content": "Look carefully."}
     assert row["messages"][1]["content"] == [{"type": "image"}, {"type": "text", "text": "What colour is the circle?"}]
+    # verl's own layout: chat messages with <image> in their text, the answer nested in reward_model
+    pq.write_table(pa.table({
+        "prompt": [[{"role": "user", "content": "<image>Find x."}]],
+        "images": [[{"bytes": png, "path": None}]],
+        "reward_model": [{"ground_truth": "6", "style": "rule"}],
+    }), tmp_path / "verl.parquet")
+    (row,) = data.load_rows(str(tmp_path / "verl.parquet"), fields="answer=reward_model.ground_truth")
+    assert row["answer"] == "6" and row["images"] == [images[2]]
+    assert row["messages"] == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Find x."}]}]
 
 
 def test_chat_messages_with_image_parts(tmp_path, pictures):
