@@ -924,6 +924,8 @@ def save_hf(path: str, policy, tokenizer, d: Dist):
     if d.rank == 0:
         policy.hf.save_pretrained(path, state_dict=state)
         tokenizer.save_pretrained(path)
+        if policy.vision is not None:
+            policy.vision.processor.save_pretrained(path)
     if d.world > 1:
         dist.barrier()
 

@@ -552,3 +552,4 @@ def test_two_rank_torchrun_sdpo_on_the_picture_task(tmp_path):
     assert "eval/success_rate" in steps[-1] and "sdpo/divergence" in steps[-1]
     from transformers import AutoModelForImageTextToText
     AutoModelForImageTextToText.from_pretrained(os.path.join(out, "final"))
+    data.ImagePrompts(os.path.join(out, "final"))  # with its image processor: it can be trained on again
