@@ -289,7 +289,7 @@ class CannedEngine:
     def __init__(self, tokenizer, texts):
         self.tokenizer, self.texts = tokenizer, texts
 
-    def generate(self, prompts, n, temperature, max_tokens, seed):
+    def generate(self, prompts, n, temperature, max_tokens, seed, images=None):
         out = []
         for p in prompts:
             samples = []
@@ -451,7 +451,7 @@ class CopyingEngine:
     def __init__(self, tokenizer):
         self.tokenizer, self.prompts = tokenizer, []
 
-    def generate(self, prompts, n, temperature, max_tokens, seed):
+    def generate(self, prompts, n, temperature, max_tokens, seed, images=None):
         out = []
         for p in prompts:
             self.prompts.append(self.tokenizer.decode(p))
