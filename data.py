@@ -2,7 +2,9 @@
 
 A *row* is a plain dict, the one currency between data, rewards and the training loop:
     uid              stable id; groups rollouts of the same prompt (SDPO demonstrations)
-    messages         chat messages of the prompt [{"role": ..., "content": ...}]
+    messages         chat messages of the prompt [{"role": ..., "content": ...}]; a content is a
+                     string, or a list of parts {"type": "text", "text": str} / {"type": "image"}
+    images           PIL images (RGB), one per image part of the messages, in order; or absent
     answer           ground truth for math / multiple choice (str) or None
     tests            for code / strops: [{"input", "output"}], function calls or assert code
                      (see _check_test and feedback/code.py), or None
@@ -37,6 +39,11 @@ class TaskConfig:
     strops_shown: int = 2  # examples shown in the prompt
     strops_hidden: int = 2  # extra test cases only the checker sees
     strops_alphabet: str = "abcdefgh"
+    shapes_max: int = 3  # shapes in a picture: 1..max (at most shapes_grid**2)
+    shapes_grid: int = 2  # shapes sit in the cells of a grid x grid layout (2: four quadrants)
+    shapes_questions: str = "count,colour,position"  # question kinds drawn from
+    shapes_colours: str = "red,green,blue,yellow"
+    shapes_image_size: int = 112  # pixels a side (112: 16 image tokens for Qwen2-VL's 28-pixel units)
     heldout_percent: int = 10  # share of the content hash space that is held out
 
 
@@ -85,7 +92,80 @@ def _strops_row(rng: random.Random, cfg: TaskConfig) -> dict:
     }
 
 
-TASKS = {"arith": _arith_row, "strops": _strops_row}
+SHAPES_INSTRUCTION = "Reply with 'Answer: <answer>'."
+SHAPE_KINDS = ("circle", "square", "triangle")
+
+
+def grid_positions(grid: int) -> list[str]:
+    """Names of the cells of a grid x grid picture, row by row ("top left", ..., "bottom right")."""
+    rows = {1: ["middle"], 2: ["top", "bottom"], 3: ["top", "middle", "bottom"]}
+    cols = {1: ["centre"], 2: ["left", "right"], 3: ["left", "centre", "right"]}
+    if grid not in rows:
+        raise ValueError(f"shapes_grid must be 1, 2 or 3, got {grid}")
+    return [f"{r} {c}" if grid > 1 else "centre" for r in rows[grid] for c in cols[grid]]
+
+
+def draw_shapes(shapes: list[dict], size: int, grid: int):
+    """The picture of a scene: each shape {"kind", "colour", "cell", "scale", "dx", "dy"} drawn in
+    its grid cell on a white background (PIL, RGB)."""
+    from PIL import Image, ImageDraw
+    image = Image.new("RGB", (size, size), "white")
+    draw, cell = ImageDraw.Draw(image), size / grid
+    for s in shapes:
+        r, c = divmod(s["cell"], grid)
+        half = cell * s["scale"] / 2
+        cx, cy = (c + 0.5 + s["dx"]) * cell, (r + 0.5 + s["dy"]) * cell
+        box = [cx - half, cy - half, cx + half, cy + half]
+        if s["kind"] == "circle":
+            draw.ellipse(box, fill=s["colour"])
+        elif s["kind"] == "square":
+            draw.rectangle(box, fill=s["colour"])
+        else:
+            draw.polygon([(cx, cy - half), (cx - half, cy + half), (cx + half, cy + half)], fill=s["colour"])
+    return image
+
+
+def _shapes_row(rng: random.Random, cfg: TaskConfig) -> dict:
+    positions, colours = grid_positions(cfg.shapes_grid), cfg.shapes_colours.split(",")
+    kinds_asked = cfg.shapes_questions.split(",")
+    if not 1 <= cfg.shapes_max <= len(positions):
+        raise ValueError(f"shapes_max must be 1..{len(positions)} for a {cfg.shapes_grid}x{cfg.shapes_grid} grid")
+    if unknown := set(kinds_asked) - {"count", "colour", "position"}:
+        raise ValueError(f"shapes_questions: unknown kinds {sorted(unknown)}; use count, colour, position")
+    n = rng.randint(1, cfg.shapes_max)
+    shapes = [{"kind": rng.choice(SHAPE_KINDS), "colour": rng.choice(colours), "cell": cell,
+               "scale": rng.choice((0.5, 0.6, 0.7)), "dx": rng.choice((-0.1, 0.0, 0.1)), "dy": rng.choice((-0.1, 0.0, 0.1))}
+              for cell in sorted(rng.sample(range(len(positions)), n))]
+    # Ask only what the picture answers unambiguously: a colour of a kind that occurs once, the
+    # position of a colour and kind that occur once.
+    once = lambda key: [s for s in shapes if sum(key(t) == key(s) for t in shapes) == 1]
+    options = [k for k in kinds_asked if k == "count" or once(lambda s: s["kind"] if k == "colour" else
+                                                             (s["colour"], s["kind"]))]
+    kind = rng.choice(options or ["count"])
+    if kind == "count":
+        question, answer = "How many shapes are in the picture?", str(n)
+    elif kind == "colour":
+        s = rng.choice(once(lambda s: s["kind"]))
+        question, answer = f"What colour is the {s['kind']}?", s["colour"]
+    else:
+        s = rng.choice(once(lambda s: (s["colour"], s["kind"])))
+        question, answer = f"Where is the {s['colour']} {s['kind']}?", positions[s["cell"]]
+    scene = ";".join(f"{s['colour']} {s['kind']}@{s['cell']}x{s['scale']}{s['dx']:+}{s['dy']:+}" for s in shapes)
+    return {
+        "uid": f"shapes:{scene}:{question}",
+        "messages": [{"role": "user", "content": [{"type": "image"},
+                                                  {"type": "text", "text": f"{question} {SHAPES_INSTRUCTION}"}]}],
+        "images": [draw_shapes(shapes, cfg.shapes_image_size, cfg.shapes_grid)],
+        "answer": answer,
+        "tests": None,
+        "reference": f"Answer: {answer}",
+        "reward": "shapes",
+    }
+
+
+TASKS = {"arith": _arith_row, "strops": _strops_row, "shapes": _shapes_row}
+TEXT_TASKS = ("arith", "strops")
+IMAGE_TASKS = ("shapes",)  # their default model is the tiny vision-language one
 
 
 def wrong_response(row: dict, rng: random.Random) -> str | None:
@@ -95,6 +175,12 @@ def wrong_response(row: dict, rng: random.Random) -> str | None:
             program = " | ".join(rng.choice(sorted(OPS)) for _ in range(rng.randint(1, 2)))
             if any(run_program(program.split(" | "), t["input"]) != t["output"] for t in row["tests"]):
                 return f"Program: {program}"
+    if row["reward"] == "shapes":
+        truth = row["answer"]
+        pools = [[str(k) for k in range(1, 5)], TaskConfig().shapes_colours.split(",")] + \
+            [grid_positions(g) for g in (2, 3)]
+        pool = next((p for p in pools if truth in p), [])
+        return f"Answer: {rng.choice([p for p in pool if p != truth] or ['none'])}"
     if row["reward"] == "math" and row.get("answer") is not None and row["answer"].lstrip("-").isdigit():
         wrong = int(row["answer"]) + rng.choice([-10, -2, -1, 1, 2, 10])
         return f"Answer: {wrong}"
@@ -126,7 +212,8 @@ def task_rows(task: str, split: str, n: int, seed: int = 0, cfg: TaskConfig | No
 # ----------------------------------------------------------------------------------------
 # User datasets: JSONL or Parquet, with a mapping from our field names to the file's columns.
 
-FIELDS = ("prompt", "answer", "tests", "teacher_response", "system", "uid")
+FIELDS = ("prompt", "answer", "tests", "teacher_response", "system", "uid", "images")
+IMAGE_PLACEHOLDER = "<image>"  # marks where an image of the `images` field goes in a string prompt (verl's geo3k)
 
 
 class DataError(ValueError):
@@ -134,7 +221,8 @@ class DataError(ValueError):
 
 
 def parse_field_map(spec: str) -> dict:
-    """'prompt=question,answer=solution' -> {"prompt": "question", "answer": "solution"}."""
+    """'prompt=question,answer=solution' -> {"prompt": "question", "answer": "solution"}.
+    A column may be nested: answer=reward_model.ground_truth (see column)."""
     mapping = {f: f for f in FIELDS}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         ours, _, theirs = item.partition("=")
@@ -142,6 +230,17 @@ def parse_field_map(spec: str) -> dict:
             raise DataError(f"bad field mapping {item!r}: expected one of {FIELDS} '=' a column name")
         mapping[ours] = theirs
     return mapping
+
+
+def column(record: dict, name: str):
+    """record[name]; a dotted name reaches into nested records ('reward_model.ground_truth',
+    where verl's parquets keep the answer). None when absent."""
+    value = record
+    for key in name.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return record.get(name)  # a column whose name holds a dot
+        value = value[key]
+    return value
 
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
@@ -170,12 +269,106 @@ def _read_records(path: str):
 
 
 def _check_messages(messages, where: str) -> list[dict]:
+    """Chat messages with string contents, or lists of text / image parts (image parts keep
+    their payload, if any, under "image" until _attach_images)."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: expected a non-empty string or a list of chat messages")
+    out = []
     for j, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: message {j} must be {{'role': str, 'content': str}}, got {m!r:.120}")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
+            raise DataError(f"{where}: message {j} must be {{'role': str, 'content': str or a list of parts}}, "
+                            f"got {m!r:.120}")
+        content = m["content"] if isinstance(m["content"], str) else [_check_part(p, f"{where}, message {j}, part {k}")
+                                                                      for k, p in enumerate(m["content"])]
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _check_part(part, where: str) -> dict:
+    """{"type": "text", "text": str}, or an image part: {"type": "image"} with the picture in
+    "image" / "path" / "url" (a path or bytes) or none (taken from the `images` field), or
+    OpenAI's {"type": "image_url", "image_url": {"url": path}}."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    if kind in ("image", "image_url"):
+        payload = part.get("image_url", {}).get("url") if kind == "image_url" and isinstance(part.get("image_url"), dict) \
+            else next((part[k] for k in ("image", "path", "url") if part.get(k) is not None), None)
+        return {"type": "image", "image": payload}
+    raise DataError(f"{where}: expected {{'type': 'text', 'text': str}} or an image part, got {part!r:.120}")
+
+
+def _split_placeholders(messages: list[dict]) -> list[dict]:
+    """String contents with <image> placeholders -> lists of text and image parts."""
+    out = []
+    for m in messages:
+        if isinstance(m["content"], str) and IMAGE_PLACEHOLDER in m["content"]:
+            content = []
+            for k, text in enumerate(m["content"].split(IMAGE_PLACEHOLDER)):
+                content += [{"type": "image", "image": None}] * (k > 0) + [{"type": "text", "text": text}] * (text != "")
+            m = {"role": m["role"], "content": content}
+        out.append(m)
+    return out
+
+
+def load_image(value, base_dir: str, where: str):
+    """An RGB PIL image from a path (relative to base_dir), bytes, a {"bytes", "path"} record
+    (how Parquet files store images), or a PIL image. DataError names where when it cannot."""
+    from PIL import Image, UnidentifiedImageError
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if isinstance(value, dict):
+        if value.get("bytes") is not None and not isinstance(value["bytes"], (bytes, bytearray)):
+            raise DataError(f"{where}: 'bytes' must hold the encoded image, got {type(value['bytes']).__name__}")
+        value = value.get("bytes") if value.get("bytes") is not None else value.get("path")
+    try:
+        if isinstance(value, (bytes, bytearray)):
+            import io
+            image = Image.open(io.BytesIO(value))
+        elif isinstance(value, str):
+            path = value[len("file://"):] if value.startswith("file://") else value
+            image = Image.open(path if os.path.isabs(path) else os.path.join(base_dir, path))
+        else:
+            raise DataError(f"{where}: expected an image path, bytes or {{'bytes': ..., 'path': ...}}, "
+                            f"got {type(value).__name__}")
+        image.load()
+    except FileNotFoundError:
+        raise DataError(f"{where}: no such image file {value!r}") from None
+    except (UnidentifiedImageError, OSError) as e:
+        shown = value if isinstance(value, str) else f"{len(value)} bytes"
+        raise DataError(f"{where}: cannot read the image ({shown}): {e}") from None
+    return image.convert("RGB")
+
+
+def _attach_images(messages: list[dict], images, base_dir: str, where) -> tuple[list[dict], list]:
+    """Loads every image of a row: image parts with their own payload, and the `images` field
+    for parts without one, in order. Returns messages whose image parts are {"type": "image"}
+    and the images."""
+    field = [] if images is None else images
+    if not isinstance(field, list):
+        raise DataError(f"{where('images')}: expected a list of images, got {type(field).__name__}")
+    loaded, taken, out = [], 0, []
+    for m in messages:
+        if isinstance(m["content"], list):
+            content = []
+            for part in m["content"]:
+                if part["type"] == "image":
+                    if part["image"] is not None:
+                        loaded.append(load_image(part["image"], base_dir, f"{where('prompt')}: image part {len(loaded)}"))
+                    elif taken < len(field):
+                        loaded.append(load_image(field[taken], base_dir, f"{where('images')}, image {taken}"))
+                        taken += 1
+                    else:
+                        raise DataError(f"{where('images')}: the prompt has more image places than the "
+                                        f"{len(field)} images of this field")
+                    part = {"type": "image"}
+                content.append(part)
+            m = {"role": m["role"], "content": content}
+        out.append(m)
+    if taken < len(field):
+        raise DataError(f"{where('images')}: {len(field)} images but the prompt has {taken} places for them "
+                        f"(put an {IMAGE_PLACEHOLDER!r} in the prompt for each)")
+    return out, loaded
 
 
 def _check_tests(tests, where: str) -> list[dict]:
@@ -249,9 +442,12 @@ def load_rows(path: str, fields: str = "", reward: str = "math", limit: int = 0)
 
     prompt: a string (one user message) or a list of chat messages; system: an optional
     system message put first; answer, teacher_response: strings (numbers are converted);
-    tests: a list of tests (or its JSON string), see _check_test; uid: defaults to 'file:row'.
-    Files: .jsonl, .jsonl.gz, .parquet.
-    A malformed row raises DataError naming the file, the row and the field.
+    tests: a list of tests (or its JSON string), see _check_test; uid: defaults to 'file:row';
+    images: a list of image paths (relative to the file), bytes or {bytes, path} records, one
+    for each <image> in a string prompt or each image part of the messages that carries no
+    picture itself. Files: .jsonl, .jsonl.gz, .parquet.
+    A malformed row, or an image that is missing or unreadable, raises DataError naming the
+    file, the row and the field.
     """
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file")
@@ -261,25 +457,27 @@ def load_rows(path: str, fields: str = "", reward: str = "math", limit: int = 0)
         def where(field):
             return f"{path}, row {row_no}, field '{field}' (column '{mapping[field]}')"
 
-        if mapping["prompt"] not in record or record[mapping["prompt"]] is None:
+        prompt = column(record, mapping["prompt"])
+        if prompt is None:
             raise DataError(f"{where('prompt')}: missing; the row has columns {sorted(record)}")
-        prompt = record[mapping["prompt"]]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _check_messages(prompt, where("prompt"))
-        system = record.get(mapping["system"])
+        messages, images = _attach_images(_split_placeholders(messages), column(record, mapping["images"]),
+                                          os.path.dirname(os.path.abspath(path)), where)
+        system = column(record, mapping["system"])
         if system is not None:
             if not isinstance(system, str):
                 raise DataError(f"{where('system')}: expected a string, got {type(system).__name__}")
             messages = [{"role": "system", "content": system}] + [m for m in messages if m["role"] != "system"]
         optional = {}
         for field in ("answer", "teacher_response"):
-            value = record.get(mapping[field])
+            value = column(record, mapping[field])
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 value = str(value)
             if value is not None and not isinstance(value, str):
                 raise DataError(f"{where(field)}: expected a string, got {type(value).__name__}")
             optional[field] = value
-        tests = record.get(mapping["tests"])
-        uid = record.get(mapping["uid"])
+        tests = column(record, mapping["tests"])
+        uid = column(record, mapping["uid"])
         rows.append({
             "uid": str(uid) if uid is not None else f"{os.path.basename(path)}:{row_no}",
             "messages": messages,
@@ -289,6 +487,7 @@ def load_rows(path: str, fields: str = "", reward: str = "math", limit: int = 0)
             "reference": optional["teacher_response"],
             "reward": reward,
             "source": f"{path}, row {row_no}",
+            **({"images": images} if images else {}),
         })
         if limit and len(rows) == limit:
             break
@@ -340,8 +539,18 @@ def chat_prompt_ids(tokenizer, messages: list[dict], max_len: int = 0) -> list[i
     if max_len and len(ids) > max_len:
         bare = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
         protected_tail = len(ids) - len(tokenizer(bare, add_special_tokens=False)["input_ids"]) + 1
-        ids = truncate_middle(ids, max_len, keep_tail=protected_tail)
+        ids = keep_images(tokenizer, ids, truncate_middle(ids, max_len, keep_tail=protected_tail), "the prompt length limit")
     return ids
+
+
+def keep_images(tokenizer, ids: list[int], cut: list[int], limit: str) -> list[int]:
+    """cut (ids shortened) if it kept every image placeholder whole; else an error: a
+    half-cut placeholder would no longer match the row's images."""
+    vision = set(tokenizer.convert_tokens_to_ids([t for t in VISION_TOKENS if t in tokenizer.get_vocab()]))
+    if sum(t in vision for t in cut) != sum(t in vision for t in ids):
+        raise ValueError(f"a prompt with images is {len(ids)} tokens (before its image tokens are expanded); "
+                         f"cutting it to {len(cut)} would cut through an image: raise {limit}")
+    return cut
 
 
 def truncate_middle(ids: list[int], max_len: int, keep_tail: int = 0) -> list[int]:
@@ -404,6 +613,9 @@ class Packed:
     token_index [N]: their positions in the [B, R] right-padded response matrix (`shape`).
     prefix: None, or prompts shared by several sequences, run once (pack_shared_prefix):
     (ids [P, Lp], mask [P, Lp], positions [P, Lp], row [B]: which prefix each sequence extends).
+    images: None, or each sequence's pictures (a list, maybe empty), in the order of their
+    expanded image tokens; image_mask [B, L]: True at those tokens (not at image tokens the
+    model generated). The model turns them into pixel inputs (ImagePrompts.pixel_inputs).
     """
     input_ids: "torch.Tensor"
     attention_mask: "torch.Tensor"
@@ -412,12 +624,23 @@ class Packed:
     token_index: "torch.Tensor"
     shape: tuple
     prefix: tuple | None = None
+    images: list | None = None
+    image_mask: "torch.Tensor | None" = None
 
 
-def pack(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu") -> Packed:
-    """Right-padded sequences whose last response_lens[i] tokens are the response."""
+def pack(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu", images: list | None = None,
+         image_masks: list | None = None) -> Packed:
+    """Right-padded sequences whose last response_lens[i] tokens are the response.
+    images, image_masks: each sequence's pictures and where their tokens are (see Packed)."""
     ids, mask, hidden_index, targets, token_index = pack_responses(seqs, response_lens, pad_id, device)
-    return Packed(ids, mask, hidden_index, targets, token_index, (len(seqs), max(max(response_lens), 1)))
+    packed = Packed(ids, mask, hidden_index, targets, token_index, (len(seqs), max(max(response_lens), 1)))
+    if images and any(images):
+        import torch
+        packed.images = [list(im or []) for im in images]
+        packed.image_mask = torch.zeros_like(ids, dtype=torch.bool)
+        for b, m in enumerate(image_masks):
+            packed.image_mask[b, :len(m)] = torch.tensor(m, dtype=torch.bool)
+    return packed
 
 
 def pack_shared_prefix(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu") -> Packed:
@@ -473,7 +696,7 @@ def _tokenizer_corpus(seed: int) -> list[str]:
     reprompt and feedback vocabulary, so that teacher contexts tokenise compactly."""
     texts = []
     corpus_tasks = TaskConfig(strops_max_ops=2)  # fixed: the tokenizer must not move with the task defaults
-    for task in TASKS:
+    for task in TEXT_TASKS:  # fixed too: a new task must not change the text model's tokenizer
         for split in ("train", "test"):
             for row in task_rows(task, split, 300 if split == "train" else 30, seed=seed, cfg=corpus_tasks):
                 texts += [m["content"] for m in row["messages"]] + [row["reference"]]
@@ -489,12 +712,10 @@ def _tokenizer_corpus(seed: int) -> list[str]:
     return texts
 
 
-def build_tiny_model(out_dir: str, cfg: TinyModelConfig) -> str:
-    """Write the tiny model (config, safetensors, tokenizer, chat template) into out_dir."""
-    import torch
+def _train_tokenizer(texts: list[str], vocab_size: int, special_tokens: list[str], chat_template: str):
+    """A byte-level BPE trained on texts, as an HF tokenizer (EOS <|im_end|>, pad <|endoftext|>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
+    from transformers import PreTrainedTokenizerFast
     bpe = Tokenizer(models.BPE())
     # Single-digit tokens: arithmetic is learnable digit by digit, whatever BPE merges.
     bpe.pre_tokenizer = pre_tokenizers.Sequence([
@@ -502,44 +723,58 @@ def build_tiny_model(out_dir: str, cfg: TinyModelConfig) -> str:
         pre_tokenizers.ByteLevel(add_prefix_space=False),
     ])
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    bpe.train_from_iterator(_tokenizer_corpus(cfg.seed), trainer=trainer)
+    bpe.train_from_iterator(texts, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(out_dir)
+    tokenizer.chat_template = chat_template
+    return tokenizer
 
+
+def _text_config(cfg: TinyModelConfig, tokenizer) -> dict:
+    """The language model's dimensions and special ids, shared by the text model and the VLM."""
     eos, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
-        head_dim=cfg.hidden_size // cfg.num_heads, max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=True, eos_token_id=eos, bos_token_id=eos, pad_token_id=pad,
-        rope_theta=10000.0, torch_dtype="float32",
-    )
-    torch.manual_seed(cfg.seed)
-    model = Qwen2ForCausalLM(config)
+    return dict(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+                head_dim=cfg.hidden_size // cfg.num_heads, max_position_embeddings=cfg.max_position_embeddings,
+                tie_word_embeddings=True, eos_token_id=eos, bos_token_id=eos, pad_token_id=pad)
+
+
+def _save_with_generation_config(model, tokenizer, out_dir: str):
+    from transformers import GenerationConfig
+    eos, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
     GenerationConfig(eos_token_id=eos, pad_token_id=pad, bos_token_id=eos).save_pretrained(out_dir)
+
+
+def build_tiny_model(out_dir: str, cfg: TinyModelConfig) -> str:
+    """Write the tiny model (config, safetensors, tokenizer, chat template) into out_dir."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tokenizer = _train_tokenizer(_tokenizer_corpus(cfg.seed), cfg.vocab_size, SPECIAL_TOKENS, CHAT_TEMPLATE)
+    config = Qwen2Config(**_text_config(cfg, tokenizer), rope_theta=10000.0, torch_dtype="float32")
+    torch.manual_seed(cfg.seed)
+    _save_with_generation_config(Qwen2ForCausalLM(config), tokenizer, out_dir)
     return out_dir
 
 
-def tiny_model_dir(cfg: TinyModelConfig | None = None, cache_dir: str | None = None) -> str:
-    """The cached tiny model for cfg, built on first use and whenever its recipe changes.
+def _cached_build(kind: str, build, cfg, version: int, cache_dir: str | None) -> str:
+    """The directory build(dir, cfg) writes, cached under a hash of (kind, version, cfg): built
+    on first use and whenever its recipe changes.
 
     Concurrent builders (torchrun ranks, parallel tests) each build into a temporary
     directory and rename it into place; the first rename wins and the others are dropped.
     """
-    cfg = cfg or TinyModelConfig()
-    recipe = json.dumps({"version": TINY_RECIPE_VERSION, **cfg.__dict__}, sort_keys=True)
+    recipe = json.dumps({"version": version, **cfg.__dict__}, sort_keys=True)
     cache_dir = cache_dir or os.environ.get("SDPO_CACHE", os.path.expanduser("~/.cache/sdpo"))
-    path = os.path.join(cache_dir, "tiny-" + hashlib.sha1(recipe.encode()).hexdigest()[:12])
+    path = os.path.join(cache_dir, kind + "-" + hashlib.sha1(recipe.encode()).hexdigest()[:12])
     if os.path.exists(os.path.join(path, "recipe.json")):
         return path
     os.makedirs(cache_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=cache_dir, prefix=".build-")
     try:
-        build_tiny_model(tmp, cfg)
+        build(tmp, cfg)
         with open(os.path.join(tmp, "recipe.json"), "w") as f:  # written last: marks a complete build
             f.write(recipe)
         os.rename(tmp, path)
@@ -549,3 +784,192 @@ def tiny_model_dir(cfg: TinyModelConfig | None = None, cache_dir: str | None = N
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def tiny_model_dir(cfg: TinyModelConfig | None = None, cache_dir: str | None = None) -> str:
+    """The cached tiny model for cfg (see _cached_build)."""
+    return _cached_build("tiny", build_tiny_model, cfg or TinyModelConfig(), TINY_RECIPE_VERSION, cache_dir)
+
+
+# ----------------------------------------------------------------------------------------
+# The tiny vision-language model: a Qwen2.5-VL with the tiny text model's dimensions, a
+# two-block vision tower, the BPE also trained on the picture task's text, and Qwen's image
+# tokens. Transformers and vLLM load it like a real Qwen2.5-VL checkpoint.
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# Qwen2.5-VL's template, less tools and video: an image part is <|vision_start|><|image_pad|><|vision_end|>.
+VLM_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+TINY_VLM_RECIPE_VERSION = 1  # bump when the code below changes what it builds
+
+
+@dataclass
+class TinyVLMConfig(TinyModelConfig):
+    vision_depth: int = 2
+    vision_hidden_size: int = 64
+    vision_heads: int = 1  # vision head_dim 64, like the text side's
+    vision_intermediate_size: int = 128
+    vision_window: int = 56  # pixels a side of a window-attention window (Qwen2.5-VL: 112)
+    image_pixels: int = 112 * 112  # every image is resized to about this area: 16 image tokens
+
+
+def _vlm_tokenizer_corpus(seed: int) -> list[str]:
+    texts = _tokenizer_corpus(seed)
+    for split in ("train", "test"):
+        for row in task_rows("shapes", split, 300 if split == "train" else 30, seed=seed):
+            texts += [p["text"] for p in row["messages"][-1]["content"] if p["type"] == "text"] + [row["reference"]]
+    return texts + ["<|vision_start|><|image_pad|><|vision_end|>"] * 50
+
+
+def build_tiny_vlm(out_dir: str, cfg: TinyVLMConfig) -> str:
+    """Write the tiny vision-language model (config, safetensors, tokenizer, chat template,
+    image processor) into out_dir."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    tokenizer = _train_tokenizer(_vlm_tokenizer_corpus(cfg.seed), cfg.vocab_size, SPECIAL_TOKENS + VISION_TOKENS,
+                                 VLM_CHAT_TEMPLATE)
+    head_dim = cfg.hidden_size // cfg.num_heads
+    # mrope splits the rotary frequencies between time, height and width as Qwen2.5-VL does (16:24:24 of 64)
+    section = [head_dim // 8, 3 * head_dim // 16, head_dim // 2 - head_dim // 8 - 3 * head_dim // 16]
+    text = {**_text_config(cfg, tokenizer),
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}}
+    vision_start, vision_end, image_pad, video_pad = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=dict(depth=cfg.vision_depth, hidden_size=cfg.vision_hidden_size, num_heads=cfg.vision_heads,
+                           intermediate_size=cfg.vision_intermediate_size, out_hidden_size=cfg.hidden_size,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=cfg.vision_window,
+                           fullatt_block_indexes=[cfg.vision_depth - 1]),
+        image_token_id=image_pad, video_token_id=video_pad, vision_start_token_id=vision_start,
+        vision_end_token_id=vision_end, tie_word_embeddings=True,
+        eos_token_id=text["eos_token_id"], pad_token_id=text["pad_token_id"], bos_token_id=text["bos_token_id"])
+    torch.manual_seed(cfg.seed)
+    _save_with_generation_config(Qwen2_5_VLForConditionalGeneration(config), tokenizer, out_dir)
+    Qwen2VLImageProcessorPil(min_pixels=cfg.image_pixels, max_pixels=cfg.image_pixels, patch_size=14, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(out_dir)
+    return out_dir
+
+
+def tiny_vlm_dir(cfg: TinyVLMConfig | None = None, cache_dir: str | None = None) -> str:
+    """The cached tiny vision-language model for cfg (see _cached_build)."""
+    return _cached_build("tiny-vlm", build_tiny_vlm, cfg or TinyVLMConfig(), TINY_VLM_RECIPE_VERSION, cache_dir)
+
+
+# ----------------------------------------------------------------------------------------
+# Image prompts as the model sees them. A chat prompt holds one <|image_pad|> per image; the
+# engine (vLLM) and the trainer both replace it by one token per merged 2x2 patch of the
+# resized image, and the model puts the vision tower's outputs there.
+
+
+def is_vision_language(model_dir: str) -> bool:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return "vision_config" in json.load(f)
+
+
+@dataclass
+class ImageInputs:
+    """What a vision-language forward takes besides the text: the ids with every image's
+    placeholder expanded, and the processed images."""
+    input_ids: list[int]
+    pixel_values: "torch.Tensor"  # [patches, channels * temporal_patch * patch * patch]
+    image_grid_thw: "torch.Tensor"  # [images, 3] patches along time, height, width
+    mm_token_type_ids: list[int]  # 1 at image tokens; Qwen2.5-VL's 3-D rope positions need it
+
+
+class ImagePrompts:
+    """The model directory's image processor and image token, and what a prompt becomes.
+
+    Transformers 5.19 falls back to the image processor without torchvision (PIL/numpy),
+    and so does vLLM on this install (vllm_plugins/no_torchvision.py): both sides see the
+    same pixels. Qwen2.5-VL's forward silently uses 1-D positions when mm_token_type_ids is
+    missing, which moved log-probs on image prompts by ~5e-3 nats against the engine; with
+    it they agree to 1e-6 (tests/test_vlm.py).
+    """
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoImageProcessor
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+        if "image_token_id" not in config:
+            raise ValueError(f"{model_dir}: not a vision-language model (config.json has no image_token_id)")
+        self.image_token_id = config["image_token_id"]
+        self.processor = AutoImageProcessor.from_pretrained(model_dir)
+        self.merge = self.processor.merge_size
+
+    def tokens_per_image(self, image) -> int:
+        return self.processor.get_number_of_image_patches(image.height, image.width) // self.merge ** 2
+
+    def expand(self, ids: list[int], images: list) -> tuple[list[int], list[int]]:
+        """(ids with each picture's one placeholder token repeated once per merged patch
+        group, 1 at those tokens else 0). The pictures' tokens are the first len(images) runs
+        of image tokens: ids already expanded (the engine's) come back unchanged. Image tokens
+        after them are text the model generated (vLLM embeds them as text, and so does
+        the trainer: run.CausalLM). A run of another length is an error."""
+        sizes, runs, i = [self.tokens_per_image(im) for im in images], [], 0
+        while i < len(ids) and len(runs) < len(images):
+            if ids[i] == self.image_token_id:
+                j = i
+                while j < len(ids) and ids[j] == self.image_token_id:
+                    j += 1
+                runs.append((i, j))
+                i = j
+            else:
+                i += 1
+        lengths = [j - i for i, j in runs]
+        if lengths == sizes or lengths == [1] * len(images):
+            out, mask, start = [], [], 0
+            for (i, j), size in zip(runs, sizes):
+                out += list(ids[start:i]) + [self.image_token_id] * size
+                mask += [0] * (i - start) + [1] * size
+                start = j
+            return out + list(ids[start:]), mask + [0] * (len(ids) - start)
+        raise ValueError(f"a sequence's image tokens come in runs of {lengths}, but its {len(images)} pictures need "
+                         f"runs of 1 (one placeholder each) or of {sizes} (expanded)")
+
+    def blank(self) -> tuple:
+        """([1, L] image mask, [[picture]]): a black square of the smallest size the
+        processor keeps, for forwards that must run the vision tower."""
+        from PIL import Image
+        side = self.processor.patch_size * self.merge
+        picture = Image.new("RGB", (side, side))
+        return [self.expand([self.image_token_id], [picture])[1]], [[picture]]
+
+    def pixel_inputs(self, image_mask, images: list) -> dict:
+        """Pixel values [patches, C*T*P*P] and grids [pictures, 3] of every sequence's pictures,
+        concatenated in row order: the order of the masked tokens in the flattened batch, which
+        is where they go. image_mask [B, L]: 1 at the pictures' tokens."""
+        import torch
+        flat = [im for row in images for im in row]
+        expected = sum(self.tokens_per_image(im) for im in flat)
+        if int(torch.as_tensor(image_mask).sum()) != expected:
+            raise ValueError(f"the batch has {int(torch.as_tensor(image_mask).sum())} picture tokens, its pictures "
+                             f"need {expected}")
+        unique = {id(im): im for im in flat}  # a prompt's samples share its picture objects: process each once
+        features = self.processor(images=list(unique.values()), return_tensors="pt")
+        chunks = features["pixel_values"].split(features["image_grid_thw"].prod(-1).tolist())
+        index = {key: i for i, key in enumerate(unique)}
+        order = [index[id(im)] for im in flat]
+        return {"pixel_values": torch.cat([chunks[i] for i in order]), "image_grid_thw": features["image_grid_thw"][order]}
+
+    def __call__(self, prompt_ids: list[int], images: list) -> ImageInputs:
+        """prompt_ids hold one image token per image, in the order of images."""
+        count = sum(t == self.image_token_id for t in prompt_ids)
+        if count != len(images):
+            raise ValueError(f"the prompt has {count} image tokens but {len(images)} images were given")
+        ids, mask = self.expand(prompt_ids, images)
+        if not images:
+            import torch
+            return ImageInputs(ids, torch.zeros(0), torch.zeros(0, 3, dtype=torch.long), mask)
+        inputs = self.pixel_inputs([mask], [images])
+        return ImageInputs(ids, inputs["pixel_values"], inputs["image_grid_thw"], mask)

@@ -107,12 +107,13 @@ class MicroBatch:
         return self.matrix(torch.ones_like(self.rollout_logprobs))
 
 
-def micro_batch(rollouts: list, counts: dict, pad_id: int, device, old_logprobs: list | None, world: int) -> MicroBatch:
+def micro_batch(policy, rollouts: list, counts: dict, pad_id: int, device, old_logprobs: list | None,
+                world: int) -> MicroBatch:
     per_token = lambda lists: torch.tensor([v for vs in lists for v in vs], dtype=torch.float32, device=device)
     return MicroBatch(
         rollouts=rollouts,
-        packed=data.pack([r.prompt_ids + r.response_ids for r in rollouts], [len(r.response_ids) for r in rollouts],
-                         pad_id, device),
+        packed=pack(policy, [r.prompt_ids + r.response_ids for r in rollouts], [len(r.response_ids) for r in rollouts],
+                    pad_id, device, images=[r.row.get("images") for r in rollouts]),
         rollout_logprobs=per_token([r.rollout_logprobs for r in rollouts]),
         old_logprobs=None if old_logprobs is None else per_token(old_logprobs),
         counts=counts, pad_id=pad_id, world=world)
@@ -120,6 +121,26 @@ def micro_batch(rollouts: list, counts: dict, pad_id: int, device, old_logprobs:
 
 # ----------------------------------------------------------------------------------------
 # Shared mechanics
+
+
+def pack(model, seqs: list, response_lens: list, pad_id: int, device, images: list | None = None,
+         shared_prefix: bool = False) -> data.Packed:
+    """Sequences laid out for model (run.CausalLM): data.pack, or data.pack_shared_prefix.
+
+    For a vision-language model, images[i] are sequence i's pictures (the row's: a teacher
+    context keeps the prompt's pictures), and each picture's placeholder in seqs[i] is
+    expanded to its image tokens unless it already is (the engine's prompt ids are). Such
+    sequences never share a prefix: each runs as an ordinary right-padded row, its pictures
+    concatenated in row order (data.ImagePrompts.pixel_inputs). A shared prefix would need
+    the 3-D rope positions of the prefix's pictures carried into the suffix; the fallback is
+    exact, and costs a teacher forward of the prompt for each sample instead of each prompt.
+    """
+    vision = getattr(model, "vision", None)
+    if vision is None:
+        return (data.pack_shared_prefix if shared_prefix else data.pack)(seqs, response_lens, pad_id, device)
+    images = [list(im or []) for im in (images or [None] * len(seqs))]
+    seqs, masks = zip(*[vision.expand(s, im) for s, im in zip(seqs, images)]) if seqs else ((), ())
+    return data.pack(list(seqs), response_lens, pad_id, device, images=images, image_masks=list(masks))
 
 
 def response_logprobs(model, rollouts: list, pad_id: int, d: Dist, micro_batch: int, temperature: float) -> list:
@@ -131,8 +152,9 @@ def response_logprobs(model, rollouts: list, pad_id: int, d: Dist, micro_batch: 
     with torch.no_grad():
         for i in range(0, len(mine), micro_batch):
             part = mine[i:i + micro_batch]
-            packed = data.pack([rollouts[j].prompt_ids + rollouts[j].response_ids for j in part],
-                               [len(rollouts[j].response_ids) for j in part], pad_id, d.device)
+            packed = pack(model, [rollouts[j].prompt_ids + rollouts[j].response_ids for j in part],
+                          [len(rollouts[j].response_ids) for j in part], pad_id, d.device,
+                          images=[rollouts[j].row.get("images") for j in part])
             logprobs = forward(model, packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(
                 h, w, packed.targets, temperature)[0])
             start = 0
@@ -288,11 +310,12 @@ def teacher_hidden_states(cfg, models: Models, rollouts: list, pad_id: int, devi
     if world > 1:  # ranks differ in how many of their samples have a teacher context
         dist.all_reduce(calls, op=dist.ReduceOp.MAX)
     share = cfg.sdpo.share_teacher_prefix and not cfg.model.gradient_checkpointing  # HF drops the KV cache under it
-    packer = data.pack_shared_prefix if share else data.pack
-    run_model = lambda model, seqs, lens, head: forward(model, packer(seqs, lens, pad_id, device), head)
+    run_model = lambda model, seqs, lens, images, head: forward(
+        model, pack(model, seqs, lens, pad_id, device, images=images, shared_prefix=share), head)
     hidden = models.teacher.hidden(models.policy, run_model, [r.teacher_ids for r in used],
                                    [len(r.response_ids) for r in used], cfg.sdpo.teacher_micro_batch,
-                                   calls=int(calls), dummy_seq=[pad_id, pad_id])
+                                   calls=int(calls), dummy_seq=[pad_id, pad_id],
+                                   images=[r.row.get("images") for r in used])
     parts = iter(hidden.split([len(r.response_ids) for r in used]) if used else [])
     return [next(parts) if r.sdpo_mask > 0 else None for r in rollouts]
 

@@ -10,11 +10,18 @@ torchrun's variables hidden from it.
 
 Every weight sync is proven: after loading, the engine scores a fixed probe sequence and
 the result must match the trainer's log-probs of the same sequence (peer projects have
-shipped syncs that silently changed nothing).
+shipped syncs that silently changed nothing). For a vision-language model the probe holds
+a picture, so that the vision tower's weights are proven too.
+
+Image prompts: token ids with one image token per picture, and the pictures (PIL). The
+engine expands each image token to the picture's patch count; a Sample's prompt_ids are
+the expanded ids, which data.ImagePrompts rebuilds for the trainer.
 """
 import contextlib
+import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -27,13 +34,21 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
 
 
+# vLLM general plugins found on this path run in every process vLLM starts (vllm_plugins/).
+PLUGIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_plugins")
+MAX_IMAGES_PER_PROMPT = 4
+
+
+KV_HEADROOM_TOKENS = 256  # two of vLLM's CPU KV blocks
+
+
 class EngineError(RuntimeError):
     """The engine died, timed out, or a weight sync did not arrive."""
 
 
 @dataclass
 class Sample:
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # as the model saw them: image tokens expanded
     response_ids: list[int]  # includes the EOS token when the response finished
     logprobs: list[float]  # engine log-probs of response_ids at the sampling temperature
     text: str
@@ -90,11 +105,14 @@ def _patched_env(set_vars: dict, remove_vars=()):
                 os.environ[k] = v
 
 
+def _config(model_dir: str) -> dict:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
+
+
 def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
     """Bytes of KV cache one token takes in the engine: K and V of every layer."""
-    import json
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
+    config = _config(model_dir)
     text = config.get("text_config", config)  # vision-language configs nest the LM's
     heads = text["num_attention_heads"]
     head_dim = text.get("head_dim") or text["hidden_size"] // heads
@@ -103,13 +121,23 @@ def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
     return 2 * text["num_hidden_layers"] * kv_heads * head_dim * width
 
 
+def engine_state(hf_model, state: dict) -> dict:
+    """A model's state dict under the names of its checkpoint, which the engine loads:
+    transformers 5 renames some models' weights on loading (Qwen2.5-VL: `visual.*` becomes
+    `model.visual.*`, `model.layers.*` becomes `model.language_model.layers.*`) and back on
+    saving. A tied LM head gets its `lm_head.weight` (see _checkpoint_keys)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    state = revert_weight_conversion(hf_model, dict(state))
+    if hf_model.config.get_text_config().tie_word_embeddings and state and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
 def _checkpoint_keys(model_dir: str) -> set[str]:
     """Keys a full sync must carry: the checkpoint's, plus lm_head.weight of a tied model,
     which HF does not save but vLLM's layerwise reload waits for."""
-    import json
     from safetensors import safe_open
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
+    config = _config(model_dir)
     tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False))
     keys = {"lm_head.weight"} if tied else set()
     for name in os.listdir(model_dir):
@@ -168,11 +196,18 @@ class Engine:
         # On CPU, a seeded request caught mid-way through a chunked prefill makes vLLM rewind
         # its torch.Generator, which CPU generators cannot do ("CPU Generator does not use
         # offset"): prefill whole prompts instead.
-        cpu_args = {} if torch.cuda.is_available() else {
+        engine_args = {} if torch.cuda.is_available() else {
             "enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
         if kv_cache_tokens and not torch.cuda.is_available():
-            self.kv_cache_bytes = max(kv_cache_tokens, max_model_len) * kv_bytes_per_token(model_dir, dtype)
-            cpu_args["kv_cache_memory_bytes"] = self.kv_cache_bytes
+            # vLLM holds one block back (its null block): without headroom a cache of exactly
+            # max_model_len tokens is refused ("estimated maximum model length is 1920")
+            tokens = max(kv_cache_tokens, max_model_len) + KV_HEADROOM_TOKENS
+            self.kv_cache_bytes = tokens * kv_bytes_per_token(model_dir, dtype)
+            engine_args["kv_cache_memory_bytes"] = self.kv_cache_bytes
+        self.vision = "vision_config" in _config(model_dir)
+        if self.vision:  # images only: no video processor without torchvision, and no video budget to profile
+            engine_args["limit_mm_per_prompt"] = {"image": MAX_IMAGES_PER_PROMPT, "video": 0}
+            _use_plugins(env)
         t0 = time.perf_counter()
         before = _descendants() if own_process else set()
         with _patched_env(env, TORCHRUN_VARS if own_process else ()):
@@ -182,7 +217,7 @@ class Engine:
                 # Log-probs after temperature: the ones the sampler actually drew from, which
                 # the trainer reproduces by dividing its logits by the same temperature.
                 logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                **cpu_args,
+                **engine_args,
             )
         self.start_seconds = time.perf_counter() - t0
         # The engine core and its workers: watched during every call (see _call), and ended by a
@@ -226,12 +261,23 @@ class Engine:
         self._background = None
         return time.perf_counter() - t0
 
-    def generate(self, prompts: list[list[int]], n: int, temperature: float, max_tokens: int,
-                 seed: int) -> list[list[Sample]]:
-        """n samples for each prompt (token ids). No top-p/top-k: training rollouts must be
-        drawn from the full tempered distribution for the log-probs to be correct."""
-        from vllm import SamplingParams
+    def _prompts(self, prompts: list[list[int]], images: list[list] | None) -> list:
+        """vLLM prompts: token ids, with their pictures where there are any."""
         from vllm.inputs import TokensPrompt
+        images = images or [None] * len(prompts)
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(images)} image lists")
+        if any(images) and not self.vision:
+            raise ValueError(f"{self.model_dir} is not a vision-language model, but prompts came with images")
+        return [TokensPrompt(prompt_token_ids=list(p), multi_modal_data={"image": list(im)}) if im else
+                TokensPrompt(prompt_token_ids=list(p)) for p, im in zip(prompts, images)]
+
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, max_tokens: int,
+                 seed: int, images: list[list] | None = None) -> list[list[Sample]]:
+        """n samples for each prompt (token ids; images[i]: the pictures of prompt i, one image
+        token each, or None). No top-p/top-k: training rollouts must be drawn from the full
+        tempered distribution for the log-probs to be correct."""
+        from vllm import SamplingParams
         self._finish_background()
         version = self.weights_version
         # vLLM seeds sample j of a request with seed + j: space the prompts' seeds by n so
@@ -239,39 +285,38 @@ class Engine:
         params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed * 1000003 + i * n,
                                  logprobs=0, top_p=1.0, top_k=0, min_p=0.0, skip_special_tokens=True)
                   for i in range(len(prompts))]
-        outputs = self._call("generate", self.llm.generate,
-                             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        outputs = self._call("generate", self.llm.generate, self._prompts(prompts, images), params, use_tqdm=False)
         result = []
-        for prompt, out in zip(prompts, outputs):
+        for out in outputs:
             samples = []
             for completion in out.outputs:
                 ids = list(completion.token_ids)
                 logprobs = [step[token].logprob for token, step in zip(ids, completion.logprobs)]
-                samples.append(Sample(prompt_ids=list(prompt), response_ids=ids, logprobs=logprobs,
+                samples.append(Sample(prompt_ids=list(out.prompt_token_ids), response_ids=ids, logprobs=logprobs,
                                       text=completion.text, truncated=completion.finish_reason == "length",
                                       policy_version=version))
             result.append(samples)
         self._idle_since = time.perf_counter()
         return result
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """log p(token_t | tokens_<t) for t = 1.. of each sequence, at temperature 1."""
+    def score(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
+        """log p(token_t | tokens_<t) for t = 1.. of each sequence, at temperature 1; with
+        images, over the sequence with its image tokens expanded."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
         self._finish_background()
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        outputs = self._call("score", self.llm.generate,
-                             [TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False)
-        return [[step[token].logprob for token, step in zip(seq[1:], out.prompt_logprobs[1:])]
-                for seq, out in zip(sequences, outputs)]
+        outputs = self._call("score", self.llm.generate, self._prompts(sequences, images), params, use_tqdm=False)
+        return [[step[token].logprob for token, step in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
+                for out in outputs]
 
     def update_weights(self, state_dict: dict, probe_ids: list[int], trainer_probe_logprobs: torch.Tensor,
-                       tol: float, version: int | None = None) -> SyncResult:
+                       tol: float, version: int | None = None, probe_images: list | None = None) -> SyncResult:
         """Load a full HF-named state dict into the engine, reset the prefix cache, and prove it.
 
-        trainer_probe_logprobs: [len(probe_ids) - 1] log-probs of the probe under the weights
-        being synced (see `probe_logprobs`). version: what later samples are stamped with
-        (default: one more than now). Waits for a background job first. Raises EngineError
+        trainer_probe_logprobs: log-probs of the probe under the weights being synced (see
+        `probe_logprobs`), one per token after the first of the probe with its image tokens
+        expanded (probe_images: the probe's pictures, see `image_probe`). version: what later
+        samples are stamped with (default: one more than now). Waits for a background job first. Raises EngineError
         when keys are missing or the engine's probe log-probs differ from the trainer's by more
         than tol (max abs, nats).
         """
@@ -293,8 +338,15 @@ class Engine:
             weights = [(k, v.detach()) for k, v in state_dict.items()]
             self._call("weight sync", self.llm.collective_rpc, "reload_weights", timeout=self.rpc_timeout_s,
                        kwargs={"weights_iterator": iter(weights)})
-        ok = self._call("prefix cache reset", self.llm.reset_prefix_cache)
-        engine_probe = torch.tensor(self.score([probe_ids])[0])
+        self._call("prefix cache reset", self.llm.reset_prefix_cache)
+        if self.vision:
+            # vLLM keeps the vision tower's outputs per picture; after a reload they are stale, and
+            # the reload empties the worker's copy but not the scheduler's ("Encoder cache miss").
+            self._call("encoder cache reset", self.llm.llm_engine.reset_encoder_cache)
+        engine_probe = torch.tensor(self.score([probe_ids], [probe_images] if probe_images else None)[0])
+        if engine_probe.shape != trainer_probe_logprobs.shape:
+            raise EngineError(f"weight sync probe: the engine scored {len(engine_probe)} tokens, the trainer "
+                              f"{len(trainer_probe_logprobs)} (image tokens expanded differently?)")
         diff = (engine_probe - trainer_probe_logprobs.detach().float().cpu()).abs().max().item()
         if not diff <= tol:  # NaN fails too
             raise EngineError(f"weight sync did not arrive: engine and trainer probe log-probs differ by "
@@ -398,10 +450,40 @@ def probe_ids(tokenizer) -> list[int]:
     return tokenizer(text + "12 + 30 = 42\nAnswer: 42", add_special_tokens=False)["input_ids"]
 
 
+def image_probe(tokenizer) -> tuple[list[int], list]:
+    """The probe of a vision-language model: a fixed picture, a question about it and an
+    answer (ids with one image token), and the picture. A sync that missed the vision tower
+    changes these log-probs."""
+    from data import draw_shapes
+    picture = draw_shapes([{"kind": "circle", "colour": "red", "cell": 0, "scale": 0.6, "dx": 0.0, "dy": 0.0},
+                           {"kind": "square", "colour": "blue", "cell": 3, "scale": 0.5, "dx": 0.1, "dy": 0.0}],
+                          size=112, grid=2)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the circle?"}]}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text + "Answer: red", add_special_tokens=False)["input_ids"], [picture]
+
+
 @torch.no_grad()
-def probe_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """The trainer's log p(token_t | tokens_<t), t = 1.., in float32 (every FSDP rank calls this)."""
+def probe_logprobs(model, ids: list[int], images=None) -> torch.Tensor:
+    """The trainer's log p(token_t | tokens_<t), t = 1.., in float32 (every FSDP rank calls
+    this). images: the probe's data.ImageInputs (then ids are ignored for images.input_ids)."""
     device = next(model.parameters()).device
+    extra = {}
+    if images is not None:
+        ids = images.input_ids
+        extra = {"pixel_values": images.pixel_values.to(device), "image_grid_thw": images.image_grid_thw.to(device),
+                 "mm_token_type_ids": torch.tensor([images.mm_token_type_ids], device=device)}
     input_ids = torch.tensor([ids], device=device)
-    logits = model(input_ids=input_ids).logits[0, :-1].float()
+    logits = model(input_ids=input_ids, **extra).logits[0, :-1].float()
     return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[0, 1:, None]).squeeze(-1).cpu()
+
+
+def _use_plugins(env: dict):
+    """Make vllm_plugins/ visible to this process and to every process vLLM starts."""
+    if PLUGIN_DIR not in sys.path:
+        sys.path.insert(0, PLUGIN_DIR)
+    import no_torchvision
+    no_torchvision.apply()
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if PLUGIN_DIR not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([PLUGIN_DIR] + [p for p in paths if p])

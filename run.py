@@ -34,7 +34,7 @@ import losses
 import objectives
 import sdpo
 from objectives import Dist, Models, Rollout
-from rollout import EngineError
+from rollout import EngineError, engine_state
 from teacher import Teacher, full_tensor, reshard
 
 # ----------------------------------------------------------------------------------------
@@ -200,14 +200,23 @@ class CausalLM(torch.nn.Module):
     weight unsharded while the loss uses it, and reduce-scatters its gradient after.
     """
 
-    def __init__(self, hf):
+    def __init__(self, hf, vision: data.ImagePrompts | None = None):
         super().__init__()
         self.hf = hf
+        self.vision = vision  # a vision-language model's image processor; None for a text model
+        self.sharded = False  # FSDP2 (set by shard)
 
     def forward(self, packed: data.Packed, head):
         """Hidden states at packed's response positions, through head. packed.prefix: prompts
         shared by several sequences (data.pack_shared_prefix), run once, their KV cache
-        copied to each sequence's row."""
+        copied to each sequence's row. packed.images: the sequences' pictures (see embed)."""
+        if packed.images and self.vision is None:
+            raise ValueError("sequences with images need a vision-language model")
+        if self.vision is not None:
+            if packed.prefix is not None:
+                raise ValueError("a vision-language model runs without a shared prefix (objectives.pack)")
+            hidden = self.hf.model(attention_mask=packed.attention_mask, **self.embed(packed)).last_hidden_state
+            return head(hidden.flatten(0, 1)[packed.hidden_index], self.hf.lm_head.weight)
         past, positions, attention_mask = None, None, packed.attention_mask
         if packed.prefix is not None:
             prefix_ids, prefix_mask, prefix_positions, row = packed.prefix
@@ -221,26 +230,59 @@ class CausalLM(torch.nn.Module):
                                past_key_values=past, use_cache=packed.prefix is not None).last_hidden_state
         return head(hidden.flatten(0, 1)[packed.hidden_index], self.hf.lm_head.weight)
 
+    def embed(self, packed: data.Packed) -> dict:
+        """A vision-language model's inputs: token embeddings with the vision tower's outputs
+        in place of the pictures' tokens (packed.image_mask), and Qwen2-VL's 3-D rope
+        positions. Built here rather than by the HF forward, which would put picture features
+        on every image token, including ones the policy generated in a response; vLLM embeds
+        those as text, and so does this."""
+        model, ids = self.hf.model, packed.input_ids
+        embeds = model.get_input_embeddings()(ids)
+        if packed.images:
+            pixels = self.vision.pixel_inputs(packed.image_mask, packed.images)
+            features = model.get_image_features(pixels["pixel_values"].to(ids.device),
+                                                pixels["image_grid_thw"].to(ids.device)).pooler_output
+            embeds = embeds.masked_scatter(packed.image_mask[..., None].to(ids.device),
+                                           torch.cat(features).to(embeds.dtype))
+            positions, _ = model.get_rope_index(ids, mm_token_type_ids=packed.image_mask.long().to(ids.device),
+                                                image_grid_thw=pixels["image_grid_thw"].to(ids.device),
+                                                attention_mask=packed.attention_mask)
+            return {"inputs_embeds": embeds, "position_ids": positions}
+        if self.sharded:
+            # FSDP2: each vision-tower block's all-gather and gradient reduce-scatter are
+            # collectives, so a rank whose sequences have no picture (an idle rank, a text row)
+            # runs the tower too, on a blank picture, and keeps it in the graph with weight 0.
+            pixels = self.vision.pixel_inputs(*self.vision.blank())
+            features = model.get_image_features(pixels["pixel_values"].to(ids.device),
+                                                pixels["image_grid_thw"].to(ids.device)).pooler_output
+            embeds = embeds + 0.0 * features[0].sum()
+        return {"inputs_embeds": embeds}
+
 
 def load_policy(model_dir: str, cfg: Config, world: int, device):
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    vision = data.ImagePrompts(model_dir) if data.is_vision_language(model_dir) else None
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    hf = auto.from_pretrained(model_dir, dtype=torch.float32)
     if cfg.model.gradient_checkpointing:
         hf.gradient_checkpointing_enable()
-    model = CausalLM(hf).to(device)
+    model = CausalLM(hf, vision).to(device)
     return shard(model, world, device)
 
 
 def shard(model: CausalLM, world: int, device):
-    """FSDP2: one unit per decoder layer, then the root (embeddings, norm, LM head)."""
+    """FSDP2: one unit per decoder layer and per vision-tower block, then the root
+    (embeddings, norm, LM head, the vision tower's patch embedding and merger)."""
     if world == 1:
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
     kwargs = {"mp_policy": mp} if mp else {}
-    for layer in model.hf.model.layers:
+    visual = getattr(model.hf.model, "visual", None)
+    for layer in list(model.hf.get_decoder().layers) + list(visual.blocks if visual is not None else []):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    model.sharded = True
     return model
 
 
@@ -251,9 +293,7 @@ def full_state_dict(model: CausalLM, world: int) -> dict:
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         state = get_model_state_dict(model.hf, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if model.hf.config.tie_word_embeddings and state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]  # the engine needs it (rollout.py)
-    return state
+    return engine_state(model.hf, state)  # the engine's names, and a tied lm_head.weight
 
 
 # ----------------------------------------------------------------------------------------
@@ -291,7 +331,9 @@ def generate_and_score(engine, tokenizer, rows, cfg: Config, seed: int, n: int, 
     """Sample n responses per row and score them; one Rollout per sample, grouped by row.
     prompts: token ids to use instead of the rows' chat prompts."""
     prompts = prompts or [data.chat_prompt_ids(tokenizer, r["messages"], cfg.data.max_prompt_len) for r in rows]
-    groups = engine.generate(prompts, n=n, temperature=temperature, max_tokens=cfg.rollout.max_tokens, seed=seed)
+    images = [r.get("images") for r in rows] if any(r.get("images") for r in rows) else None
+    groups = engine.generate(prompts, n=n, temperature=temperature, max_tokens=cfg.rollout.max_tokens, seed=seed,
+                             images=images)
     rollouts = [Rollout(row=row, prompt_ids=s.prompt_ids, response_ids=s.response_ids, rollout_logprobs=s.logprobs,
                         text=s.text, truncated=s.truncated, policy_version=s.policy_version)
                 for row, samples in zip(rows, groups) for s in samples]
@@ -594,7 +636,7 @@ def accumulate_gradients(cfg: Config, objective, models: Models, rollouts: list,
     for j, part in enumerate(micro):
         with no_sync_unless(models.policy, d.world, last=j == len(micro) - 1):
             if part:
-                mb = objectives.micro_batch([rollouts[i] for i in part], counts, pad_id, d.device,
+                mb = objectives.micro_batch(models.policy, [rollouts[i] for i in part], counts, pad_id, d.device,
                                             None if old_logprobs is None else [old_logprobs[i] for i in part], d.world)
                 loss, mb_stats = objective.loss(mb, models, cfg)
                 add_stats(stats, mb_stats)
@@ -881,17 +923,21 @@ def sync_engine(cfg: Config, engine, policy, tokenizer, d: Dist, version: int) -
     log-probs of a fixed probe must match the trainer's within --rollout.sync_tol (rollout.py).
     Also times the waits: the trainer's for a batch the engine generates ahead, and the
     engine's, idle since its last generation."""
-    from rollout import probe_ids
+    from rollout import image_probe, probe_ids
     t0 = time.perf_counter()
     state = full_state_dict(policy, d.world)
-    probe = probe_ids(tokenizer)
-    packed = data.pack([probe], [len(probe) - 1], pad_token_id(tokenizer), d.device)
+    # a vision-language model's probe holds a picture: a sync that missed the vision tower fails it
+    probe, pictures = image_probe(tokenizer) if policy.vision is not None else (probe_ids(tokenizer), None)
+    scored = policy.vision.expand(probe, pictures)[0] if pictures else probe  # the engine scores the expanded ids
+    packed = objectives.pack(policy, [scored], [len(scored) - 1], pad_token_id(tokenizer), d.device,
+                             images=[pictures] if pictures else None)
     with torch.no_grad():
         probe_lp = objectives.forward(policy, packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(
             h, w, packed.targets)[0])
     reshard(policy)
     tol = cfg.rollout.sync_tol or (1e-3 if engine_dtype(cfg, d.device) == "float32" else 1.0)
-    result = rank0_call(d, lambda: engine.update_weights(state, probe, probe_lp.cpu(), tol, version))
+    result = rank0_call(d, lambda: engine.update_weights(state, probe, probe_lp.cpu(), tol, version,
+                                                                 probe_images=pictures))
     return {"sync/seconds": time.perf_counter() - t0 - result.waited_s, "sync/probe_max_abs_diff": result.probe_max_abs_diff,
             "time/wait_rollout_s": result.waited_s, "time/wait_sync_s": result.engine_idle_s}
 
@@ -1024,6 +1070,8 @@ def save_hf(path: str, policy, tokenizer, d: Dist):
         shutil.rmtree(partial, ignore_errors=True)
         policy.hf.save_pretrained(partial, state_dict=state)
         tokenizer.save_pretrained(partial)
+        if policy.vision is not None:
+            policy.vision.processor.save_pretrained(partial)
         replace_dir(partial, path)
     barrier(d)
 
@@ -1142,7 +1190,10 @@ def resolve_model(cfg: Config, d: Dist) -> str:
     """The model to train: --model.path, or the tiny model after its cached SFT warm start."""
     if cfg.model.path:
         return cfg.model.path
-    tiny = rank0_call(d, lambda: data.tiny_model_dir(cfg.model.tiny))
+    if cfg.data.task in data.IMAGE_TASKS:
+        tiny = rank0_call(d, lambda: data.tiny_vlm_dir(data.TinyVLMConfig(**dataclasses.asdict(cfg.model.tiny))))
+    else:
+        tiny = rank0_call(d, lambda: data.tiny_model_dir(cfg.model.tiny))
     if not cfg.train.warm_start_steps or cfg.algo.name == "sft":
         return tiny
     # The warm start is `--algo sft` with the train.warm_start_* values, one optimizer step per

@@ -27,11 +27,12 @@ Choices the spec leaves open, made here:
   teacher's user message. The prompt (the dataset's) is taken as it is.
 """
 
+import json
 import re
 import string
 from dataclasses import dataclass
 
-from data import chat_prompt_ids, truncate_middle
+from data import chat_prompt_ids, keep_images, truncate_middle
 from feedback import printable
 
 THINK_TAGS = ("<think>", "</think>")
@@ -117,6 +118,24 @@ def reprompt_text(cfg: SdpoConfig, prompt: str, demonstration: str | None, feedb
     return cfg.reprompt_template.format(prompt=prompt, solution=solution, feedback=fb)
 
 
+def reprompt_content(cfg: SdpoConfig, prompt, demonstration: str | None, feedback: str | None):
+    """reprompt_text for a message content: a string, or a list of parts (a prompt with
+    pictures), where the template's text goes around the prompt's parts, which stay as they
+    are and in place, so the teacher sees the same pictures."""
+    if isinstance(prompt, str):
+        return reprompt_text(cfg, prompt, demonstration, feedback)
+    marker = "\x00prompt\x00"
+    before, after = reprompt_text(cfg, marker, demonstration, feedback).split(marker)
+    parts = [{"type": "text", "text": before}] + list(prompt) + [{"type": "text", "text": after}]
+    merged = []
+    for part in parts:  # adjacent text parts as one: the render equals the text-only prompt's
+        if part["type"] == "text" and merged and merged[-1]["type"] == "text":
+            merged[-1] = {"type": "text", "text": merged[-1]["text"] + part["text"]}
+        elif part["type"] != "text" or part["text"]:
+            merged.append(part)
+    return merged
+
+
 def _instruction(cfg: SdpoConfig) -> str:
     """The literal text of reprompt_template after its last field: the part never cut."""
     parts = list(string.Formatter().parse(cfg.reprompt_template))
@@ -184,7 +203,7 @@ def teacher_prompt_ids(tokenizer, messages: list[dict], demonstration: str | Non
     feedback = None if feedback is None else context_text(tokenizer, feedback)
 
     def render(demo, fb):
-        return _render(tokenizer, head + [{"role": "user", "content": reprompt_text(cfg, prompt, demo, fb)}])
+        return _render(tokenizer, head + [{"role": "user", "content": reprompt_content(cfg, prompt, demo, fb)}])
 
     full_text = render(demonstration, feedback)
     ids = _tokenize(tokenizer, full_text)
@@ -207,11 +226,11 @@ def teacher_prompt_ids(tokenizer, messages: list[dict], demonstration: str | Non
             budget -= len(trimmed) - limit  # the marker and merges at the cut cost a few tokens
     # Prompt + instruction alone over the limit (or the frames around empty fields are):
     # cut the middle of the whole render, never the instruction or generation prompt.
-    messages_out = head + [{"role": "user", "content": reprompt_text(cfg, prompt, demonstration, feedback)}]
+    messages_out = head + [{"role": "user", "content": reprompt_content(cfg, prompt, demonstration, feedback)}]
     keep_tail = _protected_tail(tokenizer, messages_out, full_text, ids, _instruction(cfg), limit)
     if keep_tail >= limit:
         raise ValueError(f"sdpo.max_reprompt_len={limit} cannot hold even the chat template's generation prompt")
-    return truncate_middle(ids, limit, keep_tail=keep_tail)
+    return keep_images(tokenizer, ids, truncate_middle(ids, limit, keep_tail=keep_tail), "sdpo.max_reprompt_len")
 
 
 # -----------------------------------------------------------------------------
@@ -274,7 +293,8 @@ def build_teacher_batch(tokenizer, rows: list[dict], response_ids: list[list[int
         demo = demo_text[j] if j is not None else None
         fb = feedbacks[i] if use_fb[i] else None
         # Siblings sharing a demonstration and no feedback get the same context: tokenise it once.
-        key = (tuple((m["role"], m["content"]) for m in row["messages"]), demo, fb)
+        # (Pictures are not in the messages: the ids hold a placeholder, expanded per row in the trainer.)
+        key = (json.dumps(row["messages"]), demo, fb)
         if key not in prompt_cache:
             if mask[i]:
                 prompt_cache[key] = teacher_prompt_ids(tokenizer, row["messages"], demo, fb, cfg)

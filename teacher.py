@@ -89,27 +89,29 @@ class Teacher:
 
     @torch.no_grad()
     def hidden(self, policy, forward, teacher_seqs, response_lens, micro_batch: int,
-               calls: int = 0, dummy_seq: list | None = None) -> torch.Tensor:
+               calls: int = 0, dummy_seq: list | None = None, images: list | None = None) -> torch.Tensor:
         """Teacher final hidden states at the response positions of teacher_seqs, [N, H']
         (H' = 2H for trust-region), computed teacher_micro_batch sequences at a time.
 
-        forward(model, seqs, response_lens, head) runs a model and returns head(hidden, W).
+        forward(model, seqs, response_lens, images, head) runs a model and returns
+        head(hidden, W); images: each teacher sequence's pictures, or None.
         calls: under FSDP every rank must run as many forwards as the others (each is a
         collective); chunks beyond this rank's own run on dummy_seq and are dropped.
         """
         parts = []
-        chunks = [(teacher_seqs[i:i + micro_batch], response_lens[i:i + micro_batch])
+        images = images or [None] * len(teacher_seqs)
+        chunks = [(teacher_seqs[i:i + micro_batch], response_lens[i:i + micro_batch], images[i:i + micro_batch])
                   for i in range(0, len(teacher_seqs), micro_batch)]
         extra = max(calls - len(chunks), 0)
-        for seqs, lens in chunks + [([dummy_seq], [1])] * extra:
+        for seqs, lens, pictures in chunks + [([dummy_seq], [1], None)] * extra:
             if self.kind == "live":
-                parts.append(forward(policy, seqs, lens, _hidden_only))
+                parts.append(forward(policy, seqs, lens, pictures, _hidden_only))
             elif self.kind == "trust-region":
-                ref = forward(self.copy, seqs, lens, _hidden_only)
-                student = forward(policy, seqs, lens, _hidden_only)
+                ref = forward(self.copy, seqs, lens, pictures, _hidden_only)
+                student = forward(policy, seqs, lens, pictures, _hidden_only)
                 parts.append(torch.cat([(1 - self.rate) * ref.float(), self.rate * student.float()], dim=-1))
             else:
-                parts.append(forward(self.copy, seqs, lens, _hidden_only))
+                parts.append(forward(self.copy, seqs, lens, pictures, _hidden_only))
         parts = parts[:len(chunks)]
         if self.copy is not None:
             reshard(self.copy)
@@ -117,7 +119,7 @@ class Teacher:
 
     def hidden_size(self, policy) -> int:
         """Width of `hidden`'s output."""
-        size = policy.hf.config.hidden_size
+        size = policy.hf.config.get_text_config().hidden_size
         return 2 * size if self.kind == "trust-region" else size
 
     def head_weight(self, student_weight: torch.Tensor) -> torch.Tensor:

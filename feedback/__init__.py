@@ -5,7 +5,7 @@ float/int/bool, a dict {"score": ..., "feedback": ...}, or a `Reward`. Callers g
 / `score_batch`, which normalise the result and turn any failure of the function into
 `Reward(score=0.0, error=...)`, so that one broken row never kills a training step.
 
-Built-in functions: "math", "strops", "code", "mc" (see `get_reward_fn`). The feedback text is
+Built-in functions: "math", "strops", "code", "mc", "shapes" (see `get_reward_fn`). The feedback text is
 what the SDPO teacher sees (SPEC 2.4), so it must never leak the ground truth by default and must
 be deterministic: the same response gives the same text.
 """
@@ -98,11 +98,12 @@ def shortest_first(tests: list[dict], size: Callable[[dict], int] = lambda t: le
 # looking up and calling reward functions
 
 BUILTIN = {"math": ("feedback.math", "math_reward"), "strops": ("feedback.strops", "strops_reward"),
-           "code": ("feedback.code", "code_reward"), "mc": ("feedback.mc", "mc_reward")}
+           "code": ("feedback.code", "code_reward"), "mc": ("feedback.mc", "mc_reward"),
+           "shapes": ("feedback.shapes", "shapes_reward")}
 
 
 def get_reward_fn(name: str) -> Callable:
-    """A built-in name ("math", "strops", "code", "mc"), "package.module:function", or
+    """A built-in name ("math", "strops", "code", "mc", "shapes"), "package.module:function", or
     "path/to/file.py:function". Raises ValueError naming the spec when it cannot be loaded."""
     if name in BUILTIN:
         module, attr = BUILTIN[name]

@@ -236,7 +236,7 @@ def test_no_success_and_no_feedback_gives_zero_sdpo_loss(tiny_dir, tokenizer):
     assert all(r.sdpo_mask == 0.0 for r in rollouts)
     counts = run.step_counts(rollouts, OBJECTIVES["sdpo"])
     assert counts["tokens"] == 0 and counts["sequences"] == 0
-    mb = objectives.micro_batch(rollouts, counts, tokenizer.pad_token_id, CPU, None, 1)
+    mb = objectives.micro_batch(None, rollouts, counts, tokenizer.pad_token_id, CPU, None, 1)
     loss, stats = objectives.sdpo_loss(mb, Models(policy, teacher), cfg)
     assert torch.isfinite(loss) and loss.item() == 0.0
     loss.backward()
@@ -289,7 +289,7 @@ class CannedEngine:
     def __init__(self, tokenizer, texts):
         self.tokenizer, self.texts = tokenizer, texts
 
-    def generate(self, prompts, n, temperature, max_tokens, seed):
+    def generate(self, prompts, n, temperature, max_tokens, seed, images=None):
         out = []
         for p in prompts:
             samples = []
@@ -451,7 +451,7 @@ class CopyingEngine:
     def __init__(self, tokenizer):
         self.tokenizer, self.prompts = tokenizer, []
 
-    def generate(self, prompts, n, temperature, max_tokens, seed):
+    def generate(self, prompts, n, temperature, max_tokens, seed, images=None):
         out = []
         for p in prompts:
             self.prompts.append(self.tokenizer.decode(p))

@@ -1,0 +1,49 @@
+"""Reward of the synthetic picture task (data.py's `shapes`): exact answer, and feedback that
+says what was wrong without giving the answer.
+
+The question decides the text: a wrong count is "not the number of shapes in the picture",
+a wrong colour "not the colour of the circle", a wrong position "not where the red square
+is". A response without "Answer: ..." is told the format.
+"""
+
+from __future__ import annotations
+
+import re
+
+from feedback import Reward, truncated_reward
+
+_ANSWER = re.compile(r"answer\s*:\s*([^\n]*)", re.IGNORECASE)
+_COLOUR_Q = re.compile(r"What colour is the (\w+)\?")
+_POSITION_Q = re.compile(r"Where is the (\w+ \w+)\?")
+FORMAT_FEEDBACK = "Your response has no final answer. End it with 'Answer: <answer>'."
+
+
+def normalise(text: str) -> str:
+    return " ".join(text.strip().strip(".").lower().split())
+
+
+def question_text(row: dict) -> str:
+    content = row["messages"][-1]["content"]
+    return content if isinstance(content, str) else " ".join(p.get("text", "") for p in content)
+
+
+def shapes_reward(response: str, row: dict, truncated: bool) -> Reward:
+    """1.0 if the last 'Answer: X' equals row["answer"] (case and surrounding space ignored)."""
+    if row.get("answer") is None:
+        raise ValueError("shapes reward needs row['answer']")
+    if truncated:
+        return truncated_reward()
+    found = _ANSWER.findall(response)
+    if not found or not normalise(found[-1]):
+        return Reward(0.0, FORMAT_FEEDBACK)
+    given = normalise(found[-1])
+    if given == normalise(row["answer"]):
+        return Reward(1.0)
+    question = question_text(row)
+    if colour := _COLOUR_Q.search(question):
+        what = f"the colour of the {colour.group(1)}"
+    elif position := _POSITION_Q.search(question):
+        what = f"where the {position.group(1)} is"
+    else:
+        what = "the number of shapes in the picture"
+    return Reward(0.0, f"Your answer '{found[-1].strip()}' is wrong: it is not {what}. Look at the picture again.")
