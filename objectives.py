@@ -338,18 +338,16 @@ def cache_teacher_hidden(cfg, models: Models, rollouts: list, pad_id: int, d: Di
 
 def teacher_hidden_for(mb: MicroBatch, models: Models, cfg) -> torch.Tensor:
     """The micro-batch's teacher hidden states [N, H'] (zeros where a sample has no teacher
-    context): taken from the rollouts (cache_teacher_hidden, and freed), or computed now."""
-    if models.teacher.reads_policy:
+    context): taken from the rollouts (cache_teacher_hidden; then freed), or computed now for
+    a teacher that reads the policy or a loss called outside run.update_policy."""
+    if models.teacher.reads_policy or any(r.sdpo_mask > 0 and r.teacher_hidden is None for r in mb.rollouts):
         t0 = time.perf_counter()
         hidden = teacher_hidden_states(cfg, models, mb.rollouts, mb.pad_id, mb.device, mb.world)
         mb.seconds["teacher"] = mb.seconds.get("teacher", 0.0) + time.perf_counter() - t0
     else:
         hidden = [r.teacher_hidden for r in mb.rollouts]
-        for r in mb.rollouts:
-            r.teacher_hidden = None
-        if any(h is None and r.sdpo_mask > 0 for h, r in zip(hidden, mb.rollouts)):
-            raise RuntimeError("a rollout with a teacher context reached its micro-batch without the teacher's "
-                               "hidden states: cache_teacher_hidden must run on the rank that trains it")
+    for r in mb.rollouts:
+        r.teacher_hidden = None
     known = next((h for h in hidden if h is not None), None)
     width = known.shape[-1] if known is not None else models.teacher.hidden_size(models.policy)
     dtype = known.dtype if known is not None else torch.float32

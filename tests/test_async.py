@@ -41,7 +41,7 @@ def _moved(policy, seed, scale=0.005):
 def _grads_of_loss(objective, models, rollouts, old_logprobs, cfg, pad_id):
     """The gradient of one micro-batch holding every rollout, with the given old log-probs."""
     counts = run.step_counts(rollouts, objective)
-    mb = objectives.micro_batch(rollouts, counts, pad_id, CPU, old_logprobs, 1)
+    mb = objectives.micro_batch(models.policy, rollouts, counts, pad_id, CPU, old_logprobs, 1)
     loss, _ = objective.loss(mb, models, cfg)
     models.policy.zero_grad(set_to_none=True)
     loss.backward()
@@ -98,8 +98,10 @@ def test_one_optimizer_step_on_a_stale_batch_needs_no_separate_old_logprobs(tiny
 # ----------------------------------------------------------------------------------------
 # off_policy_steps 0 is the loop as it was
 
-# tests/golden_run.json holds the metrics this run logged with the loop as it was before
-# --train.off_policy_steps existed (commit 716c2b3, same machine kind, OMP_NUM_THREADS=1).
+# tests/golden_run.json holds the metrics this run logged with the synchronous loop (first
+# recorded before --train.off_policy_steps existed, at 716c2b3, and found identical; re-recorded
+# when the tiny model's recipe changed). Float rounding differs with the thread count and the
+# machine, hence a relative tolerance far below any real change.
 GOLDEN_RUN = SMALL + ["--algo=sdpo", "--train.steps=4", "--train.mini_batches=2", "--train.eval_every=2",
                       "--train.save_every=1"]
 NOT_COMPARED = ("time/", "throughput/", "sync/seconds")  # wall-clock figures
@@ -125,7 +127,7 @@ def test_synchronous_loop_gives_the_numbers_of_the_loop_before_it(synchronous_ru
     assert [r["step"] for r in records] == [r["step"] for r in golden["records"]] == [0, 1, 2, 3, 4]
     for got, want in zip(_comparable(records), _comparable(golden["records"])):
         for key, value in want.items():  # new metrics may be added; none may change
-            assert got[key] == value, (got["step"], key)
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (got["step"], key)
     assert all(r["async/staleness"] == 0 for r in records[1:])
 
 
