@@ -155,7 +155,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval_only: bool = False  # evaluate --model.path (avg@k, length, truncation) and exit
-    teacher_gap: bool = False  # with eval_only: also success with the reference as a demonstration / with feedback
+    teacher_gap: bool = False  # with eval_only: also success with the reference as a demonstration / with feedback,
+    # and teacher vs student entropy on the model's own samples (context_entropies)
     # Test-time self-distillation (paper section 5): train on each of this many held-out prompts
     # that the initial model fails, alone, and compare discovery with best-of-k; 0: off
     ttt_prompts: int = 0
@@ -395,6 +396,63 @@ def teacher_gap(engine, tokenizer, rows, cfg: Config, seed: int) -> dict:
     return out
 
 
+@torch.no_grad()
+def context_entropies(engine, tokenizer, rows, cfg: Config, seed: int, model_dir: str, device) -> dict:
+    """SDPO's teacher on the model's own samples (the paper: SDPO needs in-context ability).
+
+    Samples --rollout.n responses per row at the training temperature, builds their teacher
+    contexts as a training step would (sdpo.build_teacher_batch: a successful sibling, else
+    the feedback), and scores the same response tokens under the bare prompt (the student)
+    and under each teacher context, with the model in model_dir as both. Per kind of
+    context: the mean token entropy of student and teacher on those tokens, and the mean
+    teacher-minus-student log-prob of the sampled tokens. A teacher flatter than the student
+    (positive eval/teacher_minus_student_entropy) pulls the student towards a flatter
+    distribution: distillation then raises the policy's entropy instead of sharpening it.
+    """
+    rollouts = generate_and_score(engine, tokenizer, rows, cfg, seed, cfg.rollout.n, cfg.rollout.temperature)
+    batch = sdpo.build_teacher_batch(tokenizer, [r.row for r in rollouts], [r.response_ids for r in rollouts],
+                                     [r.text for r in rollouts], [r.reward for r in rollouts],
+                                     [r.feedback for r in rollouts], cfg.sdpo)
+    model = load_policy(model_dir, cfg, 1, device).eval()
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def score(seqs: list, response_lens: list) -> list:
+        """(log-probs, entropies) of each sequence's response tokens."""
+        out, size = [], cfg.train.micro_batch
+        for i in range(0, len(seqs), size):
+            packed = pack(seqs[i:i + size], response_lens[i:i + size], pad_id, device)
+            lp, ent = model(*_model_inputs(packed),
+                            lambda h, w: token_stats(h, w, packed.targets, cfg.rollout.temperature, cfg.sdpo.chunk_size))
+            ends = torch.tensor(response_lens[i:i + size]).cumsum(0).tolist()
+            out += [(lp[e - n:e], ent[e - n:e]) for n, e in zip(response_lens[i:i + size], ends)]
+        return out
+
+    rollouts = [r for r in rollouts if r.response_ids]
+    lens = [len(r.response_ids) for r in rollouts]
+    student = score([r.prompt_ids + r.response_ids for r in rollouts], lens)
+    index = {id(r): i for i, r in enumerate(rollouts)}
+    teacher_ids = {id(r): ids for r, ids, m in zip(rollouts, batch.input_ids, batch.mask) if m}
+    kinds = {id(r): "demonstration" if j is not None else "feedback"
+             for r, j, m in zip(rollouts, batch.demo_index, batch.mask) if m}
+    used = [r for r in rollouts if id(r) in teacher_ids]
+    teacher = dict(zip(map(id, used), score([teacher_ids[id(r)] for r in used], [len(r.response_ids) for r in used])))
+    out = {"eval/entropy_student": float(torch.cat([e for _, e in student]).mean()) if student else 0.0}
+    for kind in ("demonstration", "feedback", "any"):
+        of_kind = [r for r in used if kind in ("any", kinds[id(r)])]
+        if not of_kind:
+            continue
+        cat = lambda pairs, k: torch.cat([p[k] for p in pairs])
+        s_pairs, t_pairs = [student[index[id(r)]] for r in of_kind], [teacher[id(r)] for r in of_kind]
+        suffix = "" if kind == "any" else f"_{kind}"
+        if kind != "any":
+            out[f"eval/entropy_student_on{suffix}"] = float(cat(s_pairs, 1).mean())
+            out[f"eval/entropy_teacher{suffix}"] = float(cat(t_pairs, 1).mean())
+        out[f"eval/teacher_minus_student_entropy{suffix}"] = float((cat(t_pairs, 1) - cat(s_pairs, 1)).mean())
+        out[f"eval/teacher_minus_student_logprob{suffix}"] = float((cat(t_pairs, 0) - cat(s_pairs, 0)).mean())
+    out["eval/teacher_coverage"] = batch.metrics["sdpo/teacher_coverage"]
+    return out
+
+
 def success_rate(rollouts, cfg: Config) -> float:
     return sum(r.reward >= cfg.sdpo.success_threshold for r in rollouts) / max(len(rollouts), 1)
 
@@ -618,6 +676,8 @@ def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
         metrics = rank0_call(rank, world, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))
         if cfg.teacher_gap:
             metrics.update(rank0_call(rank, world, lambda: teacher_gap(engine, tokenizer, eval_rows, cfg, cfg.train.seed)))
+            metrics.update(rank0_call(rank, world, lambda: context_entropies(engine, tokenizer, eval_rows, cfg,
+                                                                            cfg.train.seed, model_dir, device)))
         logger.log(0, metrics)
         logger.close()
         return metrics
@@ -671,6 +731,7 @@ def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
         # 8. log
         metrics.update(reduce_stats(sums, world, algo, len(grad_norms)))
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["actor/skipped_zero_grad_steps"] = sum(g == 0.0 for g in grad_norms)  # see update_policy
         metrics["actor/lr"] = scheduler.get_last_lr()[0]
         metrics["time/step_s"] = time.perf_counter() - t_step
         metrics["throughput/tokens_per_s"] = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts) / metrics["time/step_s"]
@@ -838,7 +899,13 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, teacher, rollouts: 
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optim.grad_clip)
         grad_norm = float(full_tensor(grad_norm))
         grad_norms.append(grad_norm)
-        if finite and math.isfinite(grad_norm):
+        if grad_norm == 0.0:
+            # Nothing to learn from (SDPO: no sample with a teacher context; GRPO: every
+            # advantage 0). AdamW would still move the weights (momentum, weight decay) and
+            # the EMA teacher would follow them: skip the step. grad_norm is global, so every
+            # rank skips together.
+            pass
+        elif finite and math.isfinite(grad_norm):
             optimizer.step()
             scheduler.step()
             stepped = True

@@ -231,6 +231,19 @@ def test_no_success_and_no_feedback_gives_zero_sdpo_loss(tiny_dir, tokenizer):
     assert grads and all(torch.isfinite(g).all() and g.abs().max() == 0 for g in grads)
 
 
+def test_step_without_any_teacher_context_takes_no_optimizer_step(tiny_dir, tokenizer):
+    """A zero gradient carries no signal, but AdamW's momentum and weight decay would still
+    move the weights (and the EMA teacher after them): no step, and no EMA update."""
+    cfg = run.parse_config(["--algo=sdpo", "--sdpo.topk=8", "--train.mini_batches=2"])
+    policy = _policy(tiny_dir)
+    recorder = GradRecorder(policy)
+    nonfinite = [0]
+    _, stepped, norms, _ = run.update_policy(cfg, policy, recorder, NoSchedule(), Teacher("ema", 0.05, _policy(tiny_dir)),
+                                             _rollouts(tokenizer, "sdpo", no_success=True), 0,
+                                             tokenizer.pad_token_id, CPU, 0, 1, nonfinite)
+    assert norms == [0.0, 0.0] and recorder.grads == [] and not stepped and nonfinite == [0]
+
+
 def test_nonfinite_losses_skip_steps_then_stop(tiny_dir, tokenizer, monkeypatch):
     cfg = run.parse_config(["--algo=grpo", "--train.max_nonfinite_steps=2", "--train.mini_batches=1"])
     policy = _policy(tiny_dir)
@@ -424,6 +437,47 @@ def test_teacher_gap_scores_the_model_shown_a_demonstration_and_feedback(tokeniz
     assert all(row["reference"] in p and "Correctly solve the original question." in p
                for row, p in zip(rows, demo_prompts))
     assert all("feedback from your unsuccessful earlier attempt" in p and "Expected:" in p for p in feedback_prompts)
+
+
+def test_context_entropies_match_a_plain_forward(tiny_dir, tokenizer):
+    """Student and teacher entropies and log-probs on the model's samples, against the HF
+    model's full logits at each response position, computed here sequence by sequence."""
+    cfg = run.parse_config(["--algo=sdpo", "--rollout.n=3", "--rollout.temperature=0.7", "--train.micro_batch=2"])
+    rows = data.task_rows("strops", "train", 2)
+    engine = CannedEngine(tokenizer, ["Program: nonsense", rows[0]["reference"], "Program: reverse | upper"])
+    got = run.context_entropies(engine, tokenizer, rows, cfg, 0, tiny_dir, CPU)
+
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+    def scores(prompt, response):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1] / 0.7
+        logp = logits.log_softmax(-1)
+        return logp.gather(-1, torch.tensor(response)[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+    rollouts = run.generate_and_score(engine, tokenizer, rows, cfg, 0, 3, 0.7)
+    import sdpo
+    tb = sdpo.build_teacher_batch(tokenizer, [r.row for r in rollouts], [r.response_ids for r in rollouts],
+                                  [r.text for r in rollouts], [r.reward for r in rollouts],
+                                  [r.feedback for r in rollouts], cfg.sdpo)
+    kinds = {"demonstration": [], "feedback": []}
+    for r, ids, m, j in zip(rollouts, tb.input_ids, tb.mask, tb.demo_index):
+        if m:
+            kinds["demonstration" if j is not None else "feedback"].append(
+                (scores(r.prompt_ids, r.response_ids), scores(ids[:-len(r.response_ids)], r.response_ids)))
+    assert kinds["demonstration"] and kinds["feedback"]  # row 0 has a success, row 1 none
+    student_all = torch.cat([scores(r.prompt_ids, r.response_ids)[1] for r in rollouts])
+    assert got["eval/entropy_student"] == pytest.approx(student_all.mean().item(), rel=1e-4)
+    for kind, pairs in kinds.items():
+        cat = lambda who, what: torch.cat([p[who][what] for p in pairs])
+        assert got[f"eval/entropy_student_on_{kind}"] == pytest.approx(cat(0, 1).mean().item(), rel=1e-4)
+        assert got[f"eval/entropy_teacher_{kind}"] == pytest.approx(cat(1, 1).mean().item(), rel=1e-4)
+        assert got[f"eval/teacher_minus_student_logprob_{kind}"] == pytest.approx(
+            (cat(1, 0) - cat(0, 0)).mean().item(), rel=1e-4, abs=1e-5)
+    every = [p for pairs in kinds.values() for p in pairs]
+    diff = torch.cat([t[1] - s[1] for s, t in every]).mean().item()
+    assert got["eval/teacher_minus_student_entropy"] == pytest.approx(diff, rel=1e-4, abs=1e-5)
 
 
 def test_warm_start_is_plain_sft_and_shared_across_rl_flags(tiny_dir, monkeypatch, tmp_path):
