@@ -61,7 +61,10 @@ class RolloutConfig:
     dtype: str = ""  # engine dtype; empty: float32 on CPU (exact sync checks), bfloat16 on GPU
     n: int = 8  # samples per prompt
     temperature: float = 1.0
-    max_tokens: int = 32
+    # A chat model's direct answer (no long reasoning) fits in 256 (TRL's default): 32 truncated
+    # 98% of SmolLM2-135M-Instruct's strops answers, and truncation scores 0. The tiny model's
+    # answers end after a few tokens, so its runs do not pay for the larger limit.
+    max_tokens: int = 256
     gpu_memory_utilization: float = 0.3  # GPU memory fraction (on CPU only without kv_cache_tokens)
     kv_cache_tokens: int = 0  # on CPU: tokens the engine's KV cache holds; 0: sized from the run's batches
     max_model_len: int = 2048
@@ -142,6 +145,9 @@ class LogConfig:
     wandb_project: str = "sdpo"
     run_name: str = ""
     progress: bool = True
+    # Generated samples (prompt, response, reward, feedback) logged each step to
+    # <out_dir>/samples.jsonl and to the wandb run as a table, one per prompt from the first; 0: none
+    samples_per_step: int = 4
 
 
 @dataclass
@@ -661,7 +667,7 @@ def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
     os.makedirs(cfg.log.out_dir, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_rows, eval_rows = load_data(cfg)
+    train_rows, eval_rows = load_data(cfg, announce=rank == 0)
 
     # Engine first: an in-process engine sets up its own single-process distributed state.
     engine = None
@@ -738,6 +744,8 @@ def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
         if algo != "sft" and cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
             metrics.update(rank0_call(rank, world, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed)))
         logger.log(step + 1, metrics)
+        if algo != "sft":
+            logger.log_samples(step + 1, rollouts)
         progress.update(metrics)
         if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
             save_checkpoint(os.path.join(cfg.log.out_dir, f"checkpoint-{step + 1}"), policy, optimizer, teacher, step + 1)
@@ -1044,16 +1052,33 @@ def batch_rows(rows: list, step: int, n: int, seed: int) -> list:
     return out
 
 
-def load_data(cfg: Config):
+def load_data(cfg: Config, announce: bool = False):
+    """(train rows, held-out rows). A data file without --data.eval_path is split by a hash of
+    each row's uid, --data.heldout_percent held out; announce says so (users have trained on
+    90% of a file without knowing)."""
     d = cfg.data
     if d.task in data.TASKS:
         return (data.task_rows(d.task, "train", d.train_rows, seed=cfg.train.seed, cfg=d),
                 data.task_rows(d.task, "test", d.eval_rows, cfg=d))
     rows = data.load_rows(d.task, d.fields, d.reward or "math")
     if d.eval_path:
-        return rows, data.load_rows(d.eval_path, d.fields, d.reward or "math", limit=d.eval_rows)
-    split = lambda r: data._split_of(r["uid"], d.heldout_percent)
-    return [r for r in rows if split(r) == "train"], [r for r in rows if split(r) == "test"][:d.eval_rows]
+        held_out = data.load_rows(d.eval_path, d.fields, d.reward or "math", limit=d.eval_rows)
+        if announce:
+            print(f"data: {len(rows)} training rows from {d.task}, {len(held_out)} held-out rows from {d.eval_path}",
+                  file=sys.stderr)
+        return rows, held_out
+    split = lambda r: data.split_of(r["uid"], d.heldout_percent)
+    train_rows, held_out = [r for r in rows if split(r) == "train"], [r for r in rows if split(r) == "test"]
+    if announce:
+        print(f"data: {d.task} has {len(rows)} rows: {len(train_rows)} train, {len(held_out)} held out for "
+              f"evaluation (a hash of each uid, --data.heldout_percent={d.heldout_percent}"
+              f"{f'; evaluating the first --data.eval_rows={d.eval_rows}' if len(held_out) > d.eval_rows else ''}). "
+              f"Pass --data.eval_path FILE to evaluate on a file of your own instead.", file=sys.stderr)
+    if not train_rows or not held_out:
+        raise data.DataError(f"{d.task}: the {len(rows)} rows split into {len(train_rows)} train and {len(held_out)} "
+                             f"held out (--data.heldout_percent={d.heldout_percent}); both must be non-empty: "
+                             f"add rows, change --data.heldout_percent, or pass --data.eval_path")
+    return train_rows, held_out[:d.eval_rows]
 
 
 # ----------------------------------------------------------------------------------------
@@ -1103,7 +1128,7 @@ class Logger:
     """metrics.jsonl, wandb (offline unless asked) and a progress bar, on rank 0."""
 
     def __init__(self, cfg: Config, rank: int):
-        self.rank, self.cfg, self.run = rank, cfg, None
+        self.rank, self.cfg, self.run, self.samples = rank, cfg, None, None
         if rank != 0:
             return
         os.makedirs(cfg.log.out_dir, exist_ok=True)
@@ -1122,12 +1147,31 @@ class Logger:
         if self.run is not None:
             self.run.log(record, step=step)
 
+    def log_samples(self, step: int, rollouts: list):
+        """The first sample of each of the first --log.samples_per_step prompts of a step."""
+        if self.rank != 0 or not self.cfg.log.samples_per_step:
+            return
+        firsts = rollouts[::self.cfg.rollout.n][:self.cfg.log.samples_per_step]  # rollouts come n per prompt
+        records = [{"step": step, "prompt": r.row["messages"][-1]["content"], "response": r.text, "reward": r.reward,
+                    "feedback": r.feedback, "truncated": r.truncated, "uid": r.row["uid"]} for r in firsts]
+        if self.samples is None:
+            self.samples = open(os.path.join(self.cfg.log.out_dir, "samples.jsonl"), "a")
+        self.samples.write("".join(json.dumps(rec) + "\n" for rec in records))
+        self.samples.flush()
+        if self.run is not None and records:
+            import wandb
+            columns = list(records[0])
+            self.run.log({"samples": wandb.Table(columns=columns, data=[[rec[c] for c in columns] for rec in records])},
+                         step=step)
+
     def progress(self, start, total):
         return Progress(start, total, self.rank == 0 and self.cfg.log.progress, self.cfg.algo.name)
 
     def close(self):
         if self.rank == 0:
             self.file.close()
+            if self.samples is not None:
+                self.samples.close()
             if self.run is not None:
                 self.run.finish()
 

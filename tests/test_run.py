@@ -313,6 +313,37 @@ def test_prepare_rollouts_scores_advantages_and_teacher_contexts(tokenizer):
     assert metrics["reward/success_rate"] == pytest.approx(sum(r.reward >= 0.5 for r in rollouts) / 6)
 
 
+def test_samples_log_holds_one_sample_per_prompt_with_reward_and_feedback(tokenizer, tmp_path):
+    cfg = run.parse_config(["--algo=sdpo", "--rollout.n=3", "--log.samples_per_step=2", f"--log.out_dir={tmp_path}",
+                            "--log.wandb_mode=disabled"])
+    rows = data.task_rows("strops", "train", 3)
+    rollouts = run.generate_and_score(CannedEngine(tokenizer, ["Program: nonsense", rows[0]["reference"]]), tokenizer,
+                                      rows, cfg, seed=0, n=3, temperature=1.0)
+    logger = run.Logger(cfg, 0)
+    logger.log_samples(1, rollouts)
+    logger.log_samples(2, rollouts)
+    logger.close()
+    with open(tmp_path / "samples.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [(r["step"], r["uid"]) for r in records] == [(s, row["uid"]) for s in (1, 2) for row in rows[:2]]
+    assert records[0]["prompt"] == rows[0]["messages"][-1]["content"] and records[0]["response"] == "Program: nonsense"
+    assert records[0]["reward"] == 0.0 and "Format Error" in records[0]["feedback"] and not records[0]["truncated"]
+
+
+def test_data_file_split_is_announced_and_an_empty_split_is_an_error(tmp_path, capsys):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(40)))
+    cfg = run.parse_config([f"--data.task={path}", "--data.heldout_percent=20"])
+    train_rows, held_out = run.load_data(cfg, announce=True)
+    assert len(train_rows) + len(held_out) == 40 and held_out
+    assert not {r["uid"] for r in train_rows} & {r["uid"] for r in held_out}
+    message = capsys.readouterr().err
+    assert f"{len(train_rows)} train, {len(held_out)} held out" in message and "--data.eval_path" in message
+    with pytest.raises(data.DataError, match="split into 40 train and 0 held out"):
+        run.load_data(run.parse_config([f"--data.task={path}", "--data.heldout_percent=0"]))
+
+
 # ----------------------------------------------------------------------------------------
 # real runs (a vLLM engine; tens of seconds each)
 
