@@ -842,7 +842,8 @@ def sync_engine(cfg: Config, engine, policy, tokenizer, rank: int, world: int, d
     reshard(policy)
     tol = cfg.rollout.sync_tol or (1e-3 if engine_dtype(cfg, device) == "float32" else 1.0)
     result = rank0_call(rank, world, lambda: engine.update_weights(state, probe, probe_lp.cpu(), tol))
-    return {"sync/seconds": time.perf_counter() - t0, "sync/probe_max_abs_diff": result.probe_max_abs_diff}
+    return {"sync/seconds": time.perf_counter() - t0, "sync/probe_max_abs_diff": result.probe_max_abs_diff,
+            "sync/megabytes": sum(t.numel() * t.element_size() for t in state.values()) / 1e6}
 
 
 def kv_cache_tokens(cfg: Config, tokenizer, rows: list) -> int:
