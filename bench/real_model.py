@@ -144,8 +144,8 @@ def main():
     common = [f"--model.path={model}", f"--data.task={files['train']}", f"--data.eval_path={files['test']}",
               "--data.reward=math", "--rollout.max_tokens=64", f"--data.eval_rows={args.eval_rows}",
               "--rollout.eval_k=2", "--train.prompts_per_step=4", "--rollout.n=4",
-              # run.py sizes the cache for all eval sequences at once: 3 GB at this model's 46 KB a
-              # token (float32, 30 layers); 16k tokens (0.75 GB) only makes it schedule fewer at once
+              # 0.75 GB at this model's 46 KB a token (float32, 30 layers), under run.py's 1 GiB CPU
+              # cap: a smaller cache only makes vLLM schedule fewer sequences at once
               "--rollout.kv_cache_tokens=16384"] + extra
     t_start = time.time()
     results = [] if args.skip_teacher_gap else [teacher_gap_result(common, out)]
