@@ -14,7 +14,9 @@ then, each as a plain `run.py` process:
 For each run: the time split per step (rollout, teacher, train, sync, eval), the peak
 memory of the whole process tree (trainer + engine core + its worker; the sum of their
 proportional set sizes, sampled every 0.5 s), and the sync figures (seconds, MB/s) at this
-size. The defaults fit in ~30 minutes on the 2-core CPU machine when it is idle. Prints
+size. The defaults are meant to fit ~30 minutes on an idle 2-core CPU machine (not yet
+measured idle: on the shared machine at load 14-20 the teacher gap took 38 minutes and a
+training step 3.5-4.5). Prints
 
     RESULT teacher_gap bare=... demonstration=... feedback=... entropy_student=... ...
     RESULT algo=grpo steps=... success_before=... success_after=... ...
@@ -37,6 +39,8 @@ import smollm2  # noqa: E402  (bench/ is not a package)
 import word_problems  # noqa: E402
 
 SPLIT = ("time/rollout_s", "time/teacher_s", "time/train_s", "sync/seconds", "time/step_s")
+# SDPO's early warning (run.FLAT_TEACHER_METRIC) as the first step saw it
+IN_LOOP_GAP = ("sdpo/teacher_minus_student_entropy",)
 
 
 def tree_pss_bytes(pid: int) -> int:
@@ -124,7 +128,8 @@ def algo_result(algo: str, common: list[str], steps_n: int, out: str) -> tuple[s
     result = (f"RESULT algo={algo} steps={steps_n} success_before={before:.3f} success_after={after:.3f} "
               + " ".join(f"{k.split('/')[-1]}={split[k]:.2f}" for k in SPLIT)
               + f" peak_tree_gb={peak:.2f} sync_mb={sync_mb:.0f} sync_mb_per_s={rate:.0f}"
-              + f" entropy_first={first:.3f} entropy_last={last:.3f}")
+              + f" entropy_first={first:.3f} entropy_last={last:.3f}"
+              + "".join(f" {key.split('/')[-1]}_first={steps[0][key]:.3f}" for key in IN_LOOP_GAP if key in steps[0]))
     print(row, flush=True)
     return row, result
 
