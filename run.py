@@ -964,7 +964,8 @@ def save_hf(path: str, policy, tokenizer, d: Dist):
 # A teacher flatter than its student pulls the student towards a flatter distribution. On
 # SmolLM2-135M-Instruct's own word-problem samples the teacher is +0.18 (demonstration) to +0.22
 # (feedback) nats flatter and SDPO collapses it; on the warm-started tiny model, which SDPO
-# improves, the gap is -0.30 (feedback alone: -0.02). 0.1 sits between, clear of a step's noise.
+# improves, the gap is -0.30 (feedback alone: -0.02; -0.22 to -0.44 in its first training steps).
+# 0.1 sits between, clear of a step's noise.
 FLAT_TEACHER_METRIC, FLAT_TEACHER_NATS = "sdpo/teacher_minus_student_entropy", 0.1
 
 
