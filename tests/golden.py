@@ -51,7 +51,8 @@ def record(step_fn) -> dict:
     for name, flags in CASES:
         grads, metrics = step_fn(flags + COMMON)
         results[name] = {"grads": [fingerprint(g) for g in grads],
-                         "metrics": {k: v for k, v in sorted(metrics.items()) if isinstance(v, (int, float))}}
+                         "metrics": {k: v for k, v in sorted(metrics.items())
+                                     if isinstance(v, (int, float)) and not k.startswith("time/")}}
     return results
 
 
