@@ -48,10 +48,12 @@ class TaskConfig:
 
 
 ARITH_INSTRUCTION = "Give the final answer as 'Answer: <number>'."
-STROPS_INSTRUCTION = "Write the program that maps each input to its output. Reply with 'Program: op | op'."
+# The valid ops are named in the prompt: a model not trained on the task cannot guess them.
+STROPS_INSTRUCTION = ("Write the program that maps each input to its output, using the ops "
+                      + ", ".join(OPS) + ". Reply with 'Program: op | op'.")
 
 
-def _split_of(key: str, heldout_percent: int) -> str:
+def split_of(key: str, heldout_percent: int) -> str:
     bucket = int(hashlib.sha1(key.encode()).hexdigest()[:8], 16) % 100
     return "test" if bucket < heldout_percent else "train"
 
@@ -199,7 +201,7 @@ def task_rows(task: str, split: str, n: int, seed: int = 0, cfg: TaskConfig | No
     rows, seen = [], set()
     for _ in range(200 * n + 1000):
         row = TASKS[task](rng, cfg)
-        if row["uid"] in seen or _split_of(row["uid"], cfg.heldout_percent) != split:
+        if row["uid"] in seen or split_of(row["uid"], cfg.heldout_percent) != split:
             continue
         seen.add(row["uid"])
         rows.append({**row, "teacher_response": None, "source": f"task {task}, {split} row {len(rows)}"})
@@ -677,7 +679,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TINY_RECIPE_VERSION = 1  # bump when the code below changes what it builds
+TINY_RECIPE_VERSION = 2  # bump when the code below (or the task text it trains the tokenizer on) changes
 
 
 @dataclass

@@ -69,7 +69,10 @@ class RolloutConfig:
     dtype: str = ""  # engine dtype; empty: float32 on CPU (exact sync checks), bfloat16 on GPU
     n: int = 8  # samples per prompt
     temperature: float = 1.0
-    max_tokens: int = 32
+    # A chat model's direct answer (no long reasoning) fits in 256 (TRL's default): 32 truncated
+    # 98% of SmolLM2-135M-Instruct's strops answers, and truncation scores 0. The tiny model's
+    # answers end after a few tokens, so its runs do not pay for the larger limit.
+    max_tokens: int = 256
     gpu_memory_utilization: float = 0.3  # GPU memory fraction (on CPU only without kv_cache_tokens)
     kv_cache_tokens: int = 0  # on CPU: tokens the engine's KV cache holds; 0: sized from the run's batches
     max_model_len: int = 2048
@@ -156,6 +159,9 @@ class LogConfig:
     wandb_project: str = "sdpo"
     run_name: str = ""
     progress: bool = True
+    # Generated samples (prompt, response, reward, feedback) logged each step to
+    # <out_dir>/samples.jsonl and to the wandb run as a table, one per prompt from the first; 0: none
+    samples_per_step: int = 4
 
 
 @dataclass
@@ -169,7 +175,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval_only: bool = False  # evaluate --model.path (avg@k, length, truncation) and exit
-    teacher_gap: bool = False  # with eval_only: also success with the reference as a demonstration / with feedback
+    teacher_gap: bool = False  # with eval_only: also success with the reference as a demonstration / with feedback,
+    # and teacher vs student entropy on the model's own samples (context_entropies)
     # Test-time self-distillation (paper section 5): train on each of this many held-out prompts
     # that the initial model fails, alone, and compare discovery with best-of-k; 0: off
     ttt_prompts: int = 0
@@ -401,6 +408,56 @@ def teacher_gap(engine, tokenizer, rows, cfg: Config, seed: int) -> dict:
     return out
 
 
+@torch.no_grad()
+def context_entropies(engine, tokenizer, rows, cfg: Config, seed: int, model_dir: str, device) -> dict:
+    """SDPO's teacher on the model's own samples (the paper: SDPO needs in-context ability).
+
+    Samples --rollout.n responses per row at the training temperature, builds their teacher
+    contexts as a training step would (objectives.prepare_teacher_contexts: a successful
+    sibling, else the feedback), and scores the same response tokens under the bare prompt
+    (the student) and under each teacher context, with the model in model_dir as both. Per
+    kind of context: the mean token entropy of student and teacher on those tokens, and the
+    mean teacher-minus-student log-prob of the sampled tokens. A teacher flatter than the
+    student (positive eval/teacher_minus_student_entropy) pulls the student towards a flatter
+    distribution: distillation then raises the policy's entropy instead of sharpening it.
+    """
+    rollouts = generate_and_score(engine, tokenizer, rows, cfg, seed, cfg.rollout.n, cfg.rollout.temperature)
+    coverage = objectives.prepare_teacher_contexts(rollouts, tokenizer, cfg)["sdpo/teacher_coverage"]
+    model = load_policy(model_dir, cfg, 1, device).eval()
+    pad_id = pad_token_id(tokenizer)
+
+    def score(seqs: list, response_lens: list) -> list:
+        """(log-probs, entropies) of each sequence's response tokens."""
+        out, size = [], cfg.train.micro_batch
+        for i in range(0, len(seqs), size):
+            packed = data.pack(seqs[i:i + size], response_lens[i:i + size], pad_id, device)
+            lp, ent = objectives.forward(model, packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(
+                h, w, packed.targets, cfg.rollout.temperature, cfg.sdpo.chunk_size))
+            ends = torch.tensor(response_lens[i:i + size]).cumsum(0).tolist()
+            out += [(lp[e - n:e], ent[e - n:e]) for n, e in zip(response_lens[i:i + size], ends)]
+        return out
+
+    rollouts = [r for r in rollouts if r.response_ids]
+    student = score([r.prompt_ids + r.response_ids for r in rollouts], [len(r.response_ids) for r in rollouts])
+    out = {"eval/entropy_student": float(torch.cat([e for _, e in student]).mean()) if student else 0.0}
+    used = [j for j, r in enumerate(rollouts) if r.sdpo_mask > 0]
+    teacher = dict(zip(used, score([rollouts[j].teacher_ids for j in used], [len(rollouts[j].response_ids) for j in used])))
+    cat = lambda pairs, k: torch.cat([p[k] for p in pairs])
+    for kind in ("demonstration", "feedback", "any"):
+        chosen = [j for j in used if kind in ("any", rollouts[j].teacher_context)]
+        if not chosen:
+            continue
+        s_pairs, t_pairs = [student[j] for j in chosen], [teacher[j] for j in chosen]
+        suffix = "" if kind == "any" else f"_{kind}"
+        if kind != "any":
+            out[f"eval/entropy_student_on{suffix}"] = float(cat(s_pairs, 1).mean())
+            out[f"eval/entropy_teacher{suffix}"] = float(cat(t_pairs, 1).mean())
+        out[f"eval/teacher_minus_student_entropy{suffix}"] = float((cat(t_pairs, 1) - cat(s_pairs, 1)).mean())
+        out[f"eval/teacher_minus_student_logprob{suffix}"] = float((cat(t_pairs, 0) - cat(s_pairs, 0)).mean())
+    out["eval/teacher_coverage"] = coverage
+    return out
+
+
 def success_rate(rollouts, cfg: Config) -> float:
     return sum(r.reward >= cfg.sdpo.success_threshold for r in rollouts) / max(len(rollouts), 1)
 
@@ -453,7 +510,10 @@ def batch_rows(rows: list, step: int, n: int, seed: int) -> list:
     return out
 
 
-def load_data(cfg: Config):
+def load_data(cfg: Config, announce: bool = False):
+    """(train rows, held-out rows). A data file without --data.eval_path is split by a hash of
+    each row's uid, --data.heldout_percent held out; announce says so (users have trained on
+    90% of a file without knowing)."""
     d = cfg.data
     if d.reward == "code" or d.allow_weak_sandbox:  # refuse a sandbox that cannot isolate, before any work
         from feedback import sandbox
@@ -463,9 +523,23 @@ def load_data(cfg: Config):
                 data.task_rows(d.task, "test", d.eval_rows, cfg=d))
     rows = data.load_rows(d.task, d.fields, d.reward or "math")
     if d.eval_path:
-        return rows, data.load_rows(d.eval_path, d.fields, d.reward or "math", limit=d.eval_rows)
-    split = lambda r: data._split_of(r["uid"], d.heldout_percent)
-    return [r for r in rows if split(r) == "train"], [r for r in rows if split(r) == "test"][:d.eval_rows]
+        held_out = data.load_rows(d.eval_path, d.fields, d.reward or "math", limit=d.eval_rows)
+        if announce:
+            print(f"data: {len(rows)} training rows from {d.task}, {len(held_out)} held-out rows from {d.eval_path}",
+                  file=sys.stderr)
+        return rows, held_out
+    split = lambda r: data.split_of(r["uid"], d.heldout_percent)
+    train_rows, held_out = [r for r in rows if split(r) == "train"], [r for r in rows if split(r) == "test"]
+    if announce:
+        print(f"data: {d.task} has {len(rows)} rows: {len(train_rows)} train, {len(held_out)} held out for "
+              f"evaluation (a hash of each uid, --data.heldout_percent={d.heldout_percent}"
+              f"{f'; evaluating the first --data.eval_rows={d.eval_rows}' if len(held_out) > d.eval_rows else ''}). "
+              f"Pass --data.eval_path FILE to evaluate on a file of your own instead.", file=sys.stderr)
+    if not train_rows or not held_out:
+        raise data.DataError(f"{d.task}: the {len(rows)} rows split into {len(train_rows)} train and {len(held_out)} "
+                             f"held out (--data.heldout_percent={d.heldout_percent}); both must be non-empty: "
+                             f"add rows, change --data.heldout_percent, or pass --data.eval_path")
+    return train_rows, held_out[:d.eval_rows]
 
 
 # ----------------------------------------------------------------------------------------
@@ -767,13 +841,13 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
     resume = rank0_call(d, lambda: checkpoint_path(cfg.train.resume)) if cfg.train.resume else ""
     rank0_call(d, lambda: check_out_dir(cfg, bool(resume), model_dir, objective))  # not after minutes of start-up
     tokenizer = load_tokenizer(model_dir)
-    train_rows, eval_rows = load_data(cfg)
+    train_rows, eval_rows = load_data(cfg, announce=d.rank == 0)
     generates = cfg.eval_only or not objective.references  # the same on every rank; only rank 0 holds the engine
     engine = start_engine(cfg, model_dir, tokenizer, train_rows + eval_rows, d) if generates else None
     logger = Logger(cfg, d.rank)
     try:  # the engine's processes end with the run, also on an error or Ctrl-C
         if cfg.eval_only:
-            return evaluate_only(cfg, engine, tokenizer, eval_rows, logger, d)
+            return evaluate_only(cfg, model_dir, engine, tokenizer, eval_rows, logger, d)
         if cfg.ttt_prompts:
             return test_time_self_distillation(cfg, objective, model_dir, engine, tokenizer, eval_rows, logger, d)
         trainer = build_trainer(cfg, objective, model_dir, d)
@@ -807,6 +881,8 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             if evaluate_now(step + 1):
                 metrics.update(rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed)))
             logger.log(step + 1, metrics)
+            if generates:
+                logger.log_samples(step + 1, rollouts)
             progress.update(metrics)
             if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
                 save_checkpoint(os.path.join(cfg.log.out_dir, f"checkpoint-{step + 1}"), trainer, step + 1,
@@ -847,11 +923,13 @@ def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
         kv_cache_tokens=kv_cache_tokens(cfg, model_dir, tokenizer, rows, d.device)), share=False)
 
 
-def evaluate_only(cfg: Config, engine, tokenizer, eval_rows: list, logger, d: Dist) -> dict:
+def evaluate_only(cfg: Config, model_dir: str, engine, tokenizer, eval_rows: list, logger, d: Dist) -> dict:
     """--eval_only: avg@k on the held-out rows (and, with --teacher_gap, what SDPO's teacher can do)."""
     metrics = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))
     if cfg.teacher_gap:
         metrics.update(rank0_call(d, lambda: teacher_gap(engine, tokenizer, eval_rows, cfg, cfg.train.seed)))
+        metrics.update(rank0_call(d, lambda: context_entropies(engine, tokenizer, eval_rows, cfg, cfg.train.seed,
+                                                                model_dir, d.device)))
     logger.log(0, metrics)
     return metrics
 
@@ -939,7 +1017,8 @@ def sync_engine(cfg: Config, engine, policy, tokenizer, d: Dist, version: int) -
     result = rank0_call(d, lambda: engine.update_weights(state, probe, probe_lp.cpu(), tol, version,
                                                                  probe_images=pictures))
     return {"sync/seconds": time.perf_counter() - t0 - result.waited_s, "sync/probe_max_abs_diff": result.probe_max_abs_diff,
-            "time/wait_rollout_s": result.waited_s, "time/wait_sync_s": result.engine_idle_s}
+            "time/wait_rollout_s": result.waited_s, "time/wait_sync_s": result.engine_idle_s,
+            "sync/megabytes": sum(t.numel() * t.element_size() for t in (state or {}).values()) / 1e6}
 
 
 def kv_cache_tokens(cfg: Config, model_dir: str, tokenizer, rows: list, device) -> int:
@@ -1116,11 +1195,19 @@ def parameter_count(model_dir: str) -> int:
     return count
 
 
+# A teacher flatter than its student pulls the student towards a flatter distribution. On
+# SmolLM2-135M-Instruct's own word-problem samples the teacher is +0.18 (demonstration) to +0.22
+# (feedback) nats flatter and SDPO collapses it; on the warm-started tiny model, which SDPO
+# improves, the gap is -0.30 (feedback alone: -0.02; -0.22 to -0.44 in its first training steps).
+# 0.1 sits between, clear of a step's noise.
+FLAT_TEACHER_METRIC, FLAT_TEACHER_NATS = "sdpo/teacher_minus_student_entropy", 0.1
+
+
 class Logger:
     """metrics.jsonl, wandb (offline unless asked) and a progress bar, on rank 0."""
 
     def __init__(self, cfg: Config, rank: int):
-        self.rank, self.cfg, self.run = rank, cfg, None
+        self.rank, self.cfg, self.run, self.samples, self.warned = rank, cfg, None, None, set()
         if rank != 0:
             return
         os.makedirs(cfg.log.out_dir, exist_ok=True)
@@ -1138,6 +1225,35 @@ class Logger:
         self.file.flush()
         if self.run is not None:
             self.run.log(record, step=step)
+        self.warn_once(step, record)
+
+    def warn_once(self, step: int, record: dict):
+        """Early warnings on stderr, each the first time its metric crosses its threshold."""
+        gap = record.get(FLAT_TEACHER_METRIC)
+        if gap is not None and gap > FLAT_TEACHER_NATS and FLAT_TEACHER_METRIC not in self.warned:
+            self.warned.add(FLAT_TEACHER_METRIC)
+            print(f"WARNING step {step}: {FLAT_TEACHER_METRIC}={gap:+.3f} nats (> {FLAT_TEACHER_NATS}): the teacher "
+                  f"is flatter than the student on the student's own tokens, so self-distillation will raise the "
+                  f"policy's entropy instead of sharpening it. The model likely cannot use its teacher contexts "
+                  f"in-context (the paper's limit on weak models; README 'On a real pretrained model'); check "
+                  f"--eval_only --teacher_gap, and compare with --algo grpo. (Shown once.)", file=sys.stderr)
+
+    def log_samples(self, step: int, rollouts: list):
+        """The first sample of each of the first --log.samples_per_step prompts of a step."""
+        if self.rank != 0 or not self.cfg.log.samples_per_step:
+            return
+        firsts = rollouts[::self.cfg.rollout.n][:self.cfg.log.samples_per_step]  # rollouts come n per prompt
+        records = [{"step": step, "prompt": r.row["messages"][-1]["content"], "response": r.text, "reward": r.reward,
+                    "feedback": r.feedback, "truncated": r.truncated, "uid": r.row["uid"]} for r in firsts]
+        if self.samples is None:
+            self.samples = open(os.path.join(self.cfg.log.out_dir, "samples.jsonl"), "a")
+        self.samples.write("".join(json.dumps(rec) + "\n" for rec in records))
+        self.samples.flush()
+        if self.run is not None and records:
+            import wandb
+            columns = list(records[0])
+            self.run.log({"samples": wandb.Table(columns=columns, data=[[rec[c] for c in columns] for rec in records])},
+                         step=step)
 
     def progress(self, start, total):
         return Progress(start, total, self.rank == 0 and self.cfg.log.progress, self.cfg.algo.name)
@@ -1158,6 +1274,8 @@ class Logger:
     def close(self):
         if self.rank == 0 and not self.file.closed:
             self.file.close()
+            if self.samples is not None:
+                self.samples.close()
             if self.run is not None:
                 self.run.finish()
 

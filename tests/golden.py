@@ -3,8 +3,10 @@
     python tests/golden.py          # rewrite tests/golden.json from the current code
 
 The numbers were first written by the loop as it was before the objectives were split out
-of run.py (commit "golden: pin gradients ..."); tests/test_objectives.py checks that the
-code of today gives the same ones. A gradient is pinned by, per parameter tensor, its sum,
+of run.py (commit 95aa211), and the objectives table gave the same ones; they were rewritten
+by the table when the tiny model's recipe changed (version 2: the strops prompt names its
+ops, so the tokenizer, the model and the batch changed). tests/test_objectives.py checks
+that the code of today gives the same ones. A gradient is pinned by, per parameter tensor, its sum,
 its sum of squares and its dot product with a fixed random vector: a change anywhere in a
 tensor moves the last one.
 """
@@ -49,41 +51,14 @@ def record(step_fn) -> dict:
     for name, flags in CASES:
         grads, metrics = step_fn(flags + COMMON)
         results[name] = {"grads": [fingerprint(g) for g in grads],
-                         "metrics": {k: v for k, v in sorted(metrics.items()) if isinstance(v, (int, float))}}
+                         "metrics": {k: v for k, v in sorted(metrics.items())
+                                     if isinstance(v, (int, float)) and not k.startswith("time/")}}
     return results
-
-
-def old_loop_step(flags):
-    """The loop before the reshape: run.update_policy + run.reduce_stats."""
-    import run
-    from test_run import GradRecorder, NoSchedule, _policy, _rollouts
-    from transformers import AutoTokenizer
-    import data
-    from teacher import Teacher
-    tiny = data.tiny_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(tiny)
-    cfg = run.parse_config(flags)
-    algo = cfg.algo.name
-    torch.manual_seed(0)
-    policy = _policy(tiny, seed=3)
-    teacher = None
-    if algo in ("sdpo", "hybrid"):
-        teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate, _policy(tiny))
-    recorder = GradRecorder(policy)
-    if algo == "sft":
-        rows = data.task_rows("strops", "train", 6, seed=1)
-        rollouts = run.sft_rollouts(tokenizer, rows, cfg, 0)
-    else:
-        rollouts = _rollouts(tokenizer, algo)
-    sums, _, norms, _ = run.update_policy(cfg, policy, recorder, NoSchedule(), teacher, rollouts, 0,
-                                          tokenizer.pad_token_id, torch.device("cpu"), 0, 1, [0])
-    metrics = run.reduce_stats(sums, 1, algo, len(norms))
-    metrics["actor/grad_norm"] = sum(norms) / len(norms)
-    return recorder.grads, metrics
 
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_objectives import new_loop_step
     with open(PATH, "w") as f:
-        json.dump(record(old_loop_step), f, indent=1)
+        json.dump(record(new_loop_step), f, indent=1)
     print(f"wrote {PATH}")

@@ -327,8 +327,8 @@ def test_code_reward_refuses_a_weak_sandbox_unless_accepted(tmp_path, monkeypatc
     with pytest.raises(sandbox.SandboxUnavailable, match=r"(?s)no bubblewrap here \(test\).*allow_weak_sandbox"):
         run.load_data(run.parse_config([f"--data.task={path}", "--data.reward=code"]))
     with pytest.warns(RuntimeWarning, match="weak code sandbox"):
-        rows, _ = run.load_data(run.parse_config([f"--data.task={path}", "--data.reward=code",
-                                                  "--data.allow_weak_sandbox=True"]))
+        rows, _ = run.load_data(run.parse_config([f"--data.task={path}", f"--data.eval_path={path}",  # one row: no split
+                                                  "--data.reward=code", "--data.allow_weak_sandbox=True"]))
     assert rows[0]["reward"] == "code" and "WARNING: weak code sandbox" in capsys.readouterr().err
 
 
@@ -349,13 +349,56 @@ def test_prepare_rollouts_scores_advantages_and_teacher_contexts(tokenizer):
     assert metrics["reward/success_rate"] == pytest.approx(sum(r.reward >= 0.5 for r in rollouts) / 6)
 
 
+def test_samples_log_holds_one_sample_per_prompt_with_reward_and_feedback(tokenizer, tmp_path):
+    cfg = run.parse_config(["--algo=sdpo", "--rollout.n=3", "--log.samples_per_step=2", f"--log.out_dir={tmp_path}",
+                            "--log.wandb_mode=disabled"])
+    rows = data.task_rows("strops", "train", 3)
+    rollouts = run.generate_and_score(CannedEngine(tokenizer, ["Program: nonsense", rows[0]["reference"]]), tokenizer,
+                                      rows, cfg, seed=0, n=3, temperature=1.0)
+    logger = run.Logger(cfg, 0)
+    logger.log_samples(1, rollouts)
+    logger.log_samples(2, rollouts)
+    logger.close()
+    with open(tmp_path / "samples.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [(r["step"], r["uid"]) for r in records] == [(s, row["uid"]) for s in (1, 2) for row in rows[:2]]
+    assert records[0]["prompt"] == rows[0]["messages"][-1]["content"] and records[0]["response"] == "Program: nonsense"
+    assert records[0]["reward"] == 0.0 and "Format Error" in records[0]["feedback"] and not records[0]["truncated"]
+
+
+def test_a_teacher_flatter_than_its_student_is_warned_once(tmp_path, capsys):
+    cfg = run.parse_config([f"--log.out_dir={tmp_path}", "--log.wandb_mode=disabled"])
+    logger = run.Logger(cfg, 0)
+    logger.log(1, {run.FLAT_TEACHER_METRIC: run.FLAT_TEACHER_NATS - 0.01})  # a sharper or equal teacher: quiet
+    assert "WARNING" not in capsys.readouterr().err
+    logger.log(2, {run.FLAT_TEACHER_METRIC: 0.2})
+    logger.log(3, {run.FLAT_TEACHER_METRIC: 0.3})
+    logger.close()
+    err = capsys.readouterr().err
+    assert err.count("WARNING") == 1 and f"step 2: {run.FLAT_TEACHER_METRIC}=+0.200" in err
+
+
+def test_data_file_split_is_announced_and_an_empty_split_is_an_error(tmp_path, capsys):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(40)))
+    cfg = run.parse_config([f"--data.task={path}", "--data.heldout_percent=20"])
+    train_rows, held_out = run.load_data(cfg, announce=True)
+    assert len(train_rows) + len(held_out) == 40 and held_out
+    assert not {r["uid"] for r in train_rows} & {r["uid"] for r in held_out}
+    message = capsys.readouterr().err
+    assert f"{len(train_rows)} train, {len(held_out)} held out" in message and "--data.eval_path" in message
+    with pytest.raises(data.DataError, match="split into 40 train and 0 held out"):
+        run.load_data(run.parse_config([f"--data.task={path}", "--data.heldout_percent=0"]))
+
+
 # ----------------------------------------------------------------------------------------
 # real runs (a vLLM engine; tens of seconds each)
 
 REQUIRED_KEYS = ["reward/mean", "reward/success_rate", "rollout/mismatch_kl", "is/ratio_mean", "is/ratio_max",
                  "actor/entropy", "actor/grad_norm", "response/length_mean", "response/truncated_frac",
-                 "sync/seconds", "sync/probe_max_abs_diff", "time/rollout_s", "time/teacher_s", "time/train_s",
-                 "time/step_s", "throughput/tokens_per_s", "eval/success_rate"]
+                 "sync/seconds", "sync/probe_max_abs_diff", "sync/megabytes", "time/rollout_s", "time/teacher_s",
+                 "time/train_s", "time/step_s", "throughput/tokens_per_s", "eval/success_rate"]
 SMALL = ["--train.warm_start_steps=0", "--train.steps=2", "--train.prompts_per_step=4", "--rollout.n=4",
          "--rollout.max_tokens=12", "--data.eval_rows=4", "--rollout.eval_k=2", "--train.eval_every=2",
          "--log.wandb_mode=disabled", "--log.progress=False", "--sdpo.topk=16"]
@@ -473,6 +516,47 @@ def test_teacher_gap_scores_the_model_shown_a_demonstration_and_feedback(tokeniz
     assert all(row["reference"] in p and "Correctly solve the original question." in p
                for row, p in zip(rows, demo_prompts))
     assert all("feedback from your unsuccessful earlier attempt" in p and "Expected:" in p for p in feedback_prompts)
+
+
+def test_context_entropies_match_a_plain_forward(tiny_dir, tokenizer):
+    """Student and teacher entropies and log-probs on the model's samples, against the HF
+    model's full logits at each response position, computed here sequence by sequence."""
+    cfg = run.parse_config(["--algo=sdpo", "--rollout.n=3", "--rollout.temperature=0.7", "--train.micro_batch=2"])
+    rows = data.task_rows("strops", "train", 2)
+    engine = CannedEngine(tokenizer, ["Program: nonsense", rows[0]["reference"], "Program: reverse | upper"])
+    got = run.context_entropies(engine, tokenizer, rows, cfg, 0, tiny_dir, CPU)
+
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+    def scores(prompt, response):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1] / 0.7
+        logp = logits.log_softmax(-1)
+        return logp.gather(-1, torch.tensor(response)[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+    rollouts = run.generate_and_score(engine, tokenizer, rows, cfg, 0, 3, 0.7)
+    import sdpo
+    tb = sdpo.build_teacher_batch(tokenizer, [r.row for r in rollouts], [r.response_ids for r in rollouts],
+                                  [r.text for r in rollouts], [r.reward for r in rollouts],
+                                  [r.feedback for r in rollouts], cfg.sdpo)
+    kinds = {"demonstration": [], "feedback": []}
+    for r, ids, m, j in zip(rollouts, tb.input_ids, tb.mask, tb.demo_index):
+        if m:
+            kinds["demonstration" if j is not None else "feedback"].append(
+                (scores(r.prompt_ids, r.response_ids), scores(ids[:-len(r.response_ids)], r.response_ids)))
+    assert kinds["demonstration"] and kinds["feedback"]  # row 0 has a success, row 1 none
+    student_all = torch.cat([scores(r.prompt_ids, r.response_ids)[1] for r in rollouts])
+    assert got["eval/entropy_student"] == pytest.approx(student_all.mean().item(), rel=1e-4)
+    for kind, pairs in kinds.items():
+        cat = lambda who, what: torch.cat([p[who][what] for p in pairs])
+        assert got[f"eval/entropy_student_on_{kind}"] == pytest.approx(cat(0, 1).mean().item(), rel=1e-4)
+        assert got[f"eval/entropy_teacher_{kind}"] == pytest.approx(cat(1, 1).mean().item(), rel=1e-4)
+        assert got[f"eval/teacher_minus_student_logprob_{kind}"] == pytest.approx(
+            (cat(1, 0) - cat(0, 0)).mean().item(), rel=1e-4, abs=1e-5)
+    every = [p for pairs in kinds.values() for p in pairs]
+    diff = torch.cat([t[1] - s[1] for s, t in every]).mean().item()
+    assert got["eval/teacher_minus_student_entropy"] == pytest.approx(diff, rel=1e-4, abs=1e-5)
 
 
 def test_warm_start_is_plain_sft_and_shared_across_rl_flags(tiny_dir, monkeypatch, tmp_path):
