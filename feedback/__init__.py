@@ -82,7 +82,8 @@ def shortest_first(tests: list[dict]) -> list[int]:
 # looking up and calling reward functions
 
 BUILTIN = {"math": ("feedback.math", "math_reward"), "strops": ("feedback.strops", "strops_reward"),
-           "code": ("feedback.code", "code_reward"), "mc": ("feedback.mc", "mc_reward")}
+           "code": ("feedback.code", "code_reward"), "mc": ("feedback.mc", "mc_reward"),
+           "quiz": ("feedback.quiz", "quiz_reward")}
 
 
 def get_reward_fn(name: str) -> Callable:
