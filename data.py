@@ -14,10 +14,13 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
+import string
 import tempfile
 from dataclasses import dataclass
 
+from feedback.quiz import QUIZ_OPS
 from feedback.strops import OPS, run_program
 
 # ----------------------------------------------------------------------------------------
@@ -35,10 +38,14 @@ class TaskConfig:
     strops_shown: int = 2  # examples shown in the prompt
     strops_hidden: int = 2  # extra test cases only the checker sees
     strops_alphabet: str = "abcdefgh"
+    quiz_questions: int = 4  # questions per quiz; all must be right
+    quiz_max: int = 9  # operands drawn from 2..quiz_max
+    quiz_ops: str = "+*"  # operators drawn from (+ - *)
     heldout_percent: int = 10  # share of the content hash space that is held out
 
 
 ARITH_INSTRUCTION = "Give the final answer as 'Answer: <number>'."
+QUIZ_INSTRUCTION = "Solve each line in order, one per line: 'label:question=result'."
 STROPS_INSTRUCTION = "Write the program that maps each input to its output. Reply with 'Program: op | op'."
 
 
@@ -83,11 +90,33 @@ def _strops_row(rng: random.Random, cfg: TaskConfig) -> dict:
     }
 
 
-TASKS = {"arith": _arith_row, "strops": _strops_row}
+def _quiz_row(rng: random.Random, cfg: TaskConfig) -> dict:
+    if not 1 <= cfg.quiz_questions <= 26:
+        raise ValueError(f"--data.quiz_questions={cfg.quiz_questions}: questions are labelled a-z, so 1 to 26")
+    questions = []
+    for label in string.ascii_lowercase[:cfg.quiz_questions]:
+        a, b, op = rng.randint(2, cfg.quiz_max), rng.randint(2, cfg.quiz_max), rng.choice(cfg.quiz_ops)
+        a, b = (max(a, b), min(a, b)) if op == "-" else (a, b)  # results stay non-negative
+        # The label lets a small model find its place: it copies the line after "c:" (induction).
+        questions.append({"input": f"{label}:{a}{op}{b}", "output": str(QUIZ_OPS[op](a, b))})
+    shown = "\n".join(q["input"] for q in questions)
+    return {
+        "uid": "quiz:" + ",".join(q["input"] for q in questions),
+        "messages": [{"role": "user", "content": f"{shown}\n{QUIZ_INSTRUCTION}"}],
+        "answer": ", ".join(q["output"] for q in questions),
+        "tests": questions,
+        "reference": "\n".join(f"{q['input']}={q['output']}" for q in questions),
+        "reward": "quiz",
+    }
+
+
+TASKS = {"arith": _arith_row, "strops": _strops_row, "quiz": _quiz_row}
 
 
 def wrong_response(row: dict, rng: random.Random) -> str | None:
     """A plausible wrong answer to a synthetic row (for warm-start examples with feedback)."""
+    if row["reward"] == "quiz":
+        return _wrong_quiz_answers(row, rng)
     if row["reward"] == "strops":
         while True:
             program = " | ".join(rng.choice(sorted(OPS)) for _ in range(rng.randint(1, 2)))
@@ -97,6 +126,24 @@ def wrong_response(row: dict, rng: random.Random) -> str | None:
         wrong = int(row["answer"]) + rng.choice([-10, -2, -1, 1, 2, 10])
         return f"Answer: {wrong}"
     return None
+
+
+def _wrong_quiz_answers(row: dict, rng: random.Random) -> str:
+    """Each result wrong with probability 1/3 (at least one), by a slip a model makes: off by
+    one or two, or a neighbouring table entry (7*8 answered as 7*7 or 7*9)."""
+    tests = row["tests"]
+    wrong = [rng.random() < 1 / 3 for _ in tests]
+    if not any(wrong):
+        wrong[rng.randrange(len(tests))] = True
+    answers = []
+    for t, w in zip(tests, wrong):
+        value = int(t["output"])
+        if w:
+            a, op, b = re.search(r"(\d+)([-+*])(\d+)$", t["input"]).groups()
+            slips = [value + d for d in (-2, -1, 1, 2)] + [QUIZ_OPS[op](int(a), int(b) + d) for d in (-1, 1)]
+            value = rng.choice([s for s in slips if s != value and s >= 0] or [value + 1])
+        answers.append(f"{t['input']}={value}")
+    return "\n".join(answers)
 
 
 def task_rows(task: str, split: str, n: int, seed: int = 0, cfg: TaskConfig | None = None) -> list[dict]:
@@ -325,7 +372,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TINY_RECIPE_VERSION = 1  # bump when the code below changes what it builds
+TINY_RECIPE_VERSION = 2  # bump when the code below changes what it builds
 
 
 @dataclass
@@ -343,20 +390,24 @@ def _tokenizer_corpus(seed: int) -> list[str]:
     """Text the tokenizer is trained on: prompts and answers of both tasks, and the SDPO
     reprompt and feedback vocabulary, so that teacher contexts tokenise compactly."""
     texts = []
-    corpus_tasks = TaskConfig(strops_max_ops=2)  # fixed: the tokenizer must not move with the task defaults
+    # fixed: the tokenizer must not move with the task defaults
+    corpus_tasks = TaskConfig(strops_max_ops=2, quiz_ops="+-*", quiz_max=12)
     for task in TASKS:
         for split in ("train", "test"):
             for row in task_rows(task, split, 300 if split == "train" else 30, seed=seed, cfg=corpus_tasks):
                 texts += [m["content"] for m in row["messages"]] + [row["reference"]]
     texts += ["<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_start|>system\n"] * 50
+    # Repeated so that BPE merges them: a teacher context spelled letter by letter is twice as long.
     texts += [
         "Correct solution:", "Correctly solve the original question.",
         "The following is feedback from your unsuccessful earlier attempt:",
-        "Your previous response was too long and truncated. Try again with a shorter response.",
-        "Your answer is incorrect.", "Input:", "Output:", "Expected:", "Unknown op", "Valid ops are:",
-        "Wrong answer", "Time limit exceeded", "Runtime error", "Format error",
+        "Your previous response was too long and truncated before it finished, so no final answer could be "
+        "graded. Try again with a shorter response.",
+        "Your answer is incorrect.", "Input:", "Output:", "Expected:", "Unknown op", "Valid ops:",
+        "Wrong Answer: 2 of 4 tests failed.", "Time limit exceeded", "Runtime error", "Format Error:",
+        "Wrong Answer: 2 of 4 results are wrong.", "is right.", "is not",
         " ".join(sorted(OPS)),
-    ]
+    ] * 20
     return texts
 
 
