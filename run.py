@@ -29,7 +29,9 @@ import torch.distributed as dist
 import data
 import feedback
 import losses
+import objectives
 import sdpo
+from objectives import Dist, Models, Rollout
 from teacher import Teacher, full_tensor, reshard
 
 # ----------------------------------------------------------------------------------------
@@ -49,6 +51,9 @@ class DataConfig(data.TaskConfig):
     eval_path: str = ""  # held-out file (default: the task's test split / a hash split of the file)
     fields: str = ""  # column mapping for files, e.g. prompt=question,answer=solution
     reward: str = ""  # reward function: math, strops, code, mc or module:function (default: the row's)
+    reward_kwargs: str = ""  # JSON keyword arguments of the reward function, e.g. '{"cpu_seconds": 10}' (code)
+    allow_weak_sandbox: bool = False  # run model-written code even where the sandbox cannot isolate it
+    # (no bubblewrap, no namespaces: README, The code sandbox); without it --data.reward code refuses
     train_rows: int = 4000  # rows drawn from a synthetic task
     eval_rows: int = 256  # avg@4 on 256 rows: a standard error of ~1.4 points at 27%
     max_prompt_len: int = 1024
@@ -76,7 +81,8 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
-    name: Annotated[Literal["sdpo", "grpo", "gspo", "hybrid", "sft"],
+    # the choices are the rows of objectives.OBJECTIVES
+    name: Annotated[Literal[tuple(objectives.OBJECTIVES)],
                     __import__("tyro").conf.arg(name="algo", prefix_name=False)] = "sdpo"
     lam: float = 0.9  # hybrid: A = lam * A_grpo + (1 - lam) * A_sdpo
     norm_adv_by_std: bool = False  # GRPO std normalisation (False: Dr. GRPO, as in the SDPO runs)
@@ -166,8 +172,8 @@ class Config:
 # Distributed setup and the policy module
 
 
-def setup_distributed():
-    """(rank, world_size, device). Under torchrun: gloo on CPU, NCCL on GPUs."""
+def setup_distributed() -> Dist:
+    """Under torchrun: gloo on CPU, NCCL on GPUs."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
@@ -177,7 +183,7 @@ def setup_distributed():
         from datetime import timedelta
         # A dead peer must surface as an error, not an endless wait.
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
-    return (dist.get_rank() if world > 1 else 0), world, device
+    return Dist(dist.get_rank() if world > 1 else 0, world, device)
 
 
 class CausalLM(torch.nn.Module):
@@ -191,20 +197,22 @@ class CausalLM(torch.nn.Module):
         super().__init__()
         self.hf = hf
 
-    def forward(self, input_ids, attention_mask, hidden_index, head, prefix=None):
-        """prefix: (ids, mask, positions, row) of prompts shared by several sequences (see
-        pack_shared_prefix): run once, their KV cache copied to each sequence's row."""
-        past, positions = None, None
-        if prefix is not None:
-            prefix_ids, prefix_mask, prefix_positions, row = prefix
+    def forward(self, packed: data.Packed, head):
+        """Hidden states at packed's response positions, through head. packed.prefix: prompts
+        shared by several sequences (data.pack_shared_prefix), run once, their KV cache
+        copied to each sequence's row."""
+        past, positions, attention_mask = None, None, packed.attention_mask
+        if packed.prefix is not None:
+            prefix_ids, prefix_mask, prefix_positions, row = packed.prefix
             past = self.hf.model(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=prefix_positions,
                                  use_cache=True).past_key_values
             past.reorder_cache(row)
-            positions = prefix_mask.sum(1)[row, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
+            positions = prefix_mask.sum(1)[row, None] + torch.arange(packed.input_ids.shape[1],
+                                                                     device=packed.input_ids.device)
             attention_mask = torch.cat([prefix_mask[row], attention_mask], dim=1)
-        hidden = self.hf.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                               past_key_values=past, use_cache=prefix is not None).last_hidden_state
-        return head(hidden.flatten(0, 1)[hidden_index], self.hf.lm_head.weight)
+        hidden = self.hf.model(input_ids=packed.input_ids, attention_mask=attention_mask, position_ids=positions,
+                               past_key_values=past, use_cache=packed.prefix is not None).last_hidden_state
+        return head(hidden.flatten(0, 1)[packed.hidden_index], self.hf.lm_head.weight)
 
 
 def load_policy(model_dir: str, cfg: Config, world: int, device):
@@ -241,86 +249,16 @@ def full_state_dict(model: CausalLM, world: int) -> dict:
     return state
 
 
-@dataclass
-class Packed:
-    """A micro-batch of prompt+response sequences laid out for the model (data.pack_responses)."""
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    hidden_index: torch.Tensor
-    targets: torch.Tensor
-    token_index: torch.Tensor
-    shape: tuple  # [B, R] of the response matrix
-
-
-def pack(seqs, response_lens, pad_id, device) -> Packed:
-    ids, mask, hidden_index, targets, token_index = data.pack_responses(seqs, response_lens, pad_id, device)
-    return Packed(ids, mask, hidden_index, targets, token_index, (len(seqs), max(max(response_lens), 1)))
-
-
-def pack_shared_prefix(seqs, response_lens, pad_id, device) -> tuple:
-    """Model inputs for sequences many of which share their prompt: each distinct prompt
-    (less its last token) once, left-padded, as the prefix; every sequence's suffix (its
-    prompt's last token and response, right-padded) attends to its prefix's KV cache.
-    The response positions are the same as pack()'s: one hidden state per response token."""
-    prompts, row = {}, []
-    for s, r in zip(seqs, response_lens):
-        row.append(prompts.setdefault(tuple(s[:len(s) - r - 1]), len(prompts)))
-    prefix_ids, prefix_mask = data.pad_left([list(p) for p in prompts], pad_id, min_width=1)
-    prefix_positions = (prefix_mask.cumsum(1) - 1).clamp(min=0)
-    suffixes = [s[len(s) - r - 1:] for s, r in zip(seqs, response_lens)]
-    ids, mask, hidden_index, _, _ = data.pack_responses(suffixes, response_lens, pad_id, device)
-    prefix = (prefix_ids.to(device), prefix_mask.to(device), prefix_positions.to(device),
-              torch.tensor(row, dtype=torch.long, device=device))
-    return ids, mask, hidden_index, prefix
-
-
-def to_matrix(values: torch.Tensor, packed: Packed) -> torch.Tensor:
-    """Per-token values [N] -> the [B, R] right-padded response matrix (zeros elsewhere)."""
-    out = values.new_zeros(packed.shape[0] * packed.shape[1])
-    return out.index_copy(0, packed.token_index, values).view(packed.shape)
-
-
-@torch.no_grad()
-def token_stats(hidden, weight, targets, temperature, chunk=1024):
-    """Log-probs of targets and entropies [N] without a gradient, chunk by chunk."""
-    logprobs, entropies = [], []
-    for i in range(0, hidden.shape[0], chunk):
-        logits = (hidden[i:i + chunk] @ weight.T).float()
-        logprobs.append(losses.token_logprobs(logits, targets[i:i + chunk], temperature))
-        entropies.append(losses.entropy_from_logits(logits, temperature))
-    empty = hidden.new_zeros(0, dtype=torch.float32)
-    return (torch.cat(logprobs) if logprobs else empty), (torch.cat(entropies) if entropies else empty)
-
-
-def token_logprobs_with_grad(hidden, weight, targets, temperature):
-    return losses.token_logprobs(hidden @ weight.T, targets, temperature)
-
-
 # ----------------------------------------------------------------------------------------
 # Rollouts
 
 
-@dataclass
-class Rollout:
-    row: dict
-    prompt_ids: list
-    response_ids: list
-    rollout_logprobs: list  # from the engine, at the sampling temperature
-    text: str
-    truncated: bool
-    reward: float = 0.0
-    feedback: str = ""
-    reward_error: str = ""
-    advantage: float = 0.0
-    teacher_ids: list | None = None  # teacher prompt + the same response ids
-    sdpo_mask: float = 0.0
-
-
-def rank0_call(rank: int, world: int, fn, share: bool = True):
+def rank0_call(d: Dist, fn, share: bool = True):
     """Run fn on rank 0 and hand its result (when share), or its error, to every rank.
 
     Without this, an engine that dies on rank 0 leaves the other ranks waiting forever.
     """
+    rank, world = d.rank, d.world
     result, error = None, None
     if rank == 0:
         try:
@@ -348,11 +286,26 @@ def generate_and_score(engine, tokenizer, rows, cfg: Config, seed: int, n: int, 
     rollouts = [Rollout(row=row, prompt_ids=s.prompt_ids, response_ids=s.response_ids, rollout_logprobs=s.logprobs,
                         text=s.text, truncated=s.truncated) for row, samples in zip(rows, groups) for s in samples]
     rewards = feedback.score_batch(
-        feedback.get_reward_fn(cfg.data.reward or rows[0]["reward"]),
+        reward_function(cfg, rows[0]),
         [r.text for r in rollouts], [r.row for r in rollouts], [r.truncated for r in rollouts])
     for rollout, reward in zip(rollouts, rewards):
         rollout.reward, rollout.feedback, rollout.reward_error = reward.score, reward.feedback, reward.error
     return rollouts
+
+
+def reward_function(cfg: Config, row: dict):
+    """--data.reward (or the row's own), with --data.reward_kwargs bound."""
+    fn = feedback.get_reward_fn(cfg.data.reward or row["reward"])
+    if not cfg.data.reward_kwargs:
+        return fn
+    import functools
+    try:
+        kwargs = json.loads(cfg.data.reward_kwargs)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--data.reward_kwargs is not a JSON object: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--data.reward_kwargs must be a JSON object, got {cfg.data.reward_kwargs!r}")
+    return functools.partial(fn, **kwargs)
 
 
 def evaluate(engine, tokenizer, rows, cfg: Config, seed: int) -> dict:
@@ -378,7 +331,7 @@ def teacher_context_ids(tokenizer, row: dict, kind: str, rng: random.Random, cfg
     wrong = data.wrong_response(row, rng)
     if wrong is None:
         return None
-    reward = feedback.score(feedback.get_reward_fn(cfg.data.reward or row["reward"]), wrong, row, False)
+    reward = feedback.score(reward_function(cfg, row), wrong, row, False)
     return sdpo.teacher_prompt_ids(tokenizer, row["messages"], None, reward.feedback, cfg.sdpo) if reward.feedback else None
 
 
@@ -418,7 +371,7 @@ def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
     A share of the prompts (--train.warm_start_*_frac) are SDPO teacher contexts: the
     reference shown as the correct solution, or the feedback on a wrong attempt.
     """
-    rng = random.Random(cfg.train.seed * 15485863 + step)
+    rng = random.Random(stream_seed("references", cfg.train.seed, step))
     out = []
     for row in rows:
         if not row.get("reference"):
@@ -437,500 +390,243 @@ def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
 
 
 # ----------------------------------------------------------------------------------------
-# The loss of one micro-batch
+# Seeds: every random stream of a run derives from --train.seed and a step (or epoch), so that a
+# resumed run repeats an uninterrupted one. Each purpose scales the seed by its own stride, so
+# that streams of different purposes and seeds do not coincide.
+
+SEED_STRIDE = {"prompts": 7919, "generation": 1000, "shuffle": 1000003, "references": 15485863}
 
 
-def microbatch_loss(cfg: Config, policy, teacher: Teacher | None, batch: list[Rollout], counts: dict,
-                    pad_id: int, device, old_logprobs: list | None):
-    """Loss of a micro-batch, normalised by the optimizer step's global counts, and the
-    sums of what is logged. old_logprobs: per-rollout trainer log-probs from before the
-    update (None when this is the only optimizer step: the current ones, detached)."""
-    algo = cfg.algo.name
-    temperature = 1.0 if algo == "sft" else cfg.rollout.temperature  # SFT fits the plain distribution
-    packed = pack([r.prompt_ids + r.response_ids for r in batch], [len(r.response_ids) for r in batch], pad_id, device)
-    per_token = lambda values: torch.tensor([v for r in batch for v in values(r)], dtype=torch.float32, device=device)
-    rollout_lp = per_token(lambda r: r.rollout_logprobs)
-    seq_mask = per_token(lambda r: [r.sdpo_mask if algo == "sdpo" else 1.0] * len(r.response_ids))
-
-    teacher_hidden = None
-    t0 = time.perf_counter()
-    if algo in ("sdpo", "hybrid"):
-        teacher_hidden = teacher_hidden_states(cfg, policy, teacher, batch, pad_id, device,
-                                               dist.get_world_size() if dist.is_initialized() else 1)
-    teacher_seconds = time.perf_counter() - t0
-
-    def head(hidden, weight):
-        if algo != "sdpo":  # one pass over the logits gives the log-probs, their detached copy and the entropy
-            logits = (hidden @ weight.T).float()
-            logprobs = losses.token_logprobs(logits, packed.targets, temperature)
-            out = {"logprobs": logprobs, "current_lp": logprobs.detach(),
-                   "entropy": losses.entropy_from_logits(logits.detach(), temperature)}
-            if algo == "hybrid":
-                teacher_weight = teacher.head_weight(weight).to(hidden.dtype)
-                out["teacher_lp"], _ = token_stats(teacher_hidden.to(hidden.dtype), teacher_weight, packed.targets,
-                                                   temperature, cfg.sdpo.chunk_size)
-            return out
-        current_lp, entropy = token_stats(hidden, weight, packed.targets, temperature, cfg.sdpo.chunk_size)
-        out = {"current_lp": current_lp, "entropy": entropy}
-        teacher_weight = teacher.head_weight(weight).to(hidden.dtype)
-        th = teacher_hidden.to(hidden.dtype)
-        if cfg.sdpo.distill == "topk" and cfg.sdpo.chunked:
-            out["loss"] = losses.sdpo_topk_loss_from_hidden(
-                hidden, weight, th, teacher_weight, k=cfg.sdpo.topk, alpha=cfg.sdpo.alpha,
-                add_tail=cfg.sdpo.add_tail, temperature=temperature, chunk_size=cfg.sdpo.chunk_size)
-        elif cfg.sdpo.distill in ("topk", "full"):
-            student_logits = hidden @ weight.T
-            with torch.no_grad():
-                teacher_logits = th @ teacher_weight.T
-            if cfg.sdpo.distill == "topk":
-                s, t, _ = losses.topk_with_tail(student_logits, teacher_logits, cfg.sdpo.topk,
-                                                cfg.sdpo.add_tail, temperature=temperature)
-            else:
-                s = (student_logits.float() / temperature).log_softmax(-1)
-                t = (teacher_logits.float() / temperature).log_softmax(-1)
-            out["loss"] = losses.sdpo_divergence(s, t, cfg.sdpo.alpha)
-        else:
-            student_tok = token_logprobs_with_grad(hidden, weight, packed.targets, temperature)
-            teacher_tok, _ = token_stats(th, teacher_weight, packed.targets, temperature, cfg.sdpo.chunk_size)
-            out["loss"] = losses.sdpo_token_loss(student_tok, teacher_tok)
-        return out
-
-    out = policy(*_model_inputs(packed), head)
-    current_lp = out["current_lp"]
-    old_lp = current_lp if old_logprobs is None else per_token_list(old_logprobs, device)
-    mat = lambda v: to_matrix(v, packed)
-    mask = mat(seq_mask)
-    # Engine-vs-trainer correction: truncated IS weights on the rollout log-probs.
-    if cfg.rollout.is_correction and algo != "sft":
-        is_weight = losses.importance_weights(mat(old_lp), mat(rollout_lp), cfg.rollout.is_cap,
-                                              level=cfg.rollout.is_level, mask=mat(torch.ones_like(rollout_lp)))
-    else:
-        is_weight = torch.ones_like(mask)
-
-    if algo == "sdpo":
-        is_clip = losses.importance_weights(mat(current_lp), mat(old_lp), cfg.sdpo.is_clip)
-        per_token_loss = mat(out["loss"]) * is_clip * is_weight
-    elif algo == "sft":
-        per_token_loss = -mat(out["logprobs"])
-    else:
-        advantages = torch.tensor([r.advantage for r in batch], dtype=torch.float32, device=device)
-        logprobs = mat(out["logprobs"])
-        if algo == "hybrid":
-            # A_SDPO = T - S only where there is a teacher context; 0 elsewhere
-            has_teacher = torch.tensor([r.sdpo_mask > 0 for r in batch], device=device)[:, None]
-            teacher_lp = torch.where(has_teacher, mat(out["teacher_lp"]), mat(current_lp))
-            advantages = losses.hybrid_advantages(advantages, teacher_lp, mat(current_lp), cfg.algo.lam)
-        if algo == "gspo":
-            per_token_loss, _ = losses.gspo_loss(logprobs, mat(old_lp), advantages, mask,
-                                                 cfg.algo.gspo_eps_low, cfg.algo.gspo_eps_high)
-        else:
-            per_token_loss, _ = losses.ppo_clip_loss(logprobs, mat(old_lp), advantages, cfg.algo.eps_low, cfg.algo.eps_high)
-        per_token_loss = per_token_loss * is_weight
-    mode = cfg.algo.loss_agg_mode if cfg.algo.loss_agg_mode != "auto" else \
-        ("seq-mean-token-mean" if algo == "gspo" else "token-mean")
-    loss = losses.aggregate(per_token_loss, mask, mode, global_tokens=counts["tokens"],
-                            global_sequences=counts["sequences"], max_len=counts["max_len"])
-
-    response_mask = mat(torch.ones_like(rollout_lp))
-    log_ratio = (mat(old_lp) - mat(rollout_lp)) * response_mask
-    stats = {
-        "loss_sum": loss.item(),
-        "tokens": response_mask.sum().item(),
-        "entropy_sum": out["entropy"].sum().item(),
-        "mismatch_kl_sum": (losses.kl_estimate(mat(rollout_lp), mat(old_lp), "k3") * response_mask).sum().item(),
-        "is_ratio_sum": (log_ratio.clamp(-20, 20).exp() * response_mask).sum().item(),
-        "is_ratio_max": (log_ratio.clamp(-20, 20).exp() * response_mask).max().item() if response_mask.numel() else 0.0,
-        "teacher_seconds": teacher_seconds,
-    }
-    if algo == "sdpo":
-        stats["divergence_sum"] = (mat(out["loss"]).detach() * mask).sum().item()
-        stats["distill_tokens"] = mask.sum().item()
-    return loss, stats
+def stream_seed(purpose: str, seed: int, index: int) -> int:
+    return seed * SEED_STRIDE[purpose] + index
 
 
-def teacher_hidden_states(cfg: Config, policy, teacher: Teacher, batch: list[Rollout], pad_id: int, device,
-                          world: int):
-    """Teacher hidden states [N, H'] at every response token of the batch. Samples without
-    a teacher context (mask 0) get zeros instead of a forward: their loss is masked out."""
-    used = [r for r in batch if r.sdpo_mask > 0]
-    calls = torch.tensor([math.ceil(len(used) / cfg.sdpo.teacher_micro_batch)])
-    if world > 1:  # ranks differ in how many of their samples have a teacher context
-        dist.all_reduce(calls, op=dist.ReduceOp.MAX)
-    if cfg.sdpo.share_teacher_prefix and not cfg.model.gradient_checkpointing:  # HF drops the KV cache under it
-        forward = lambda model, seqs, lens, head: _call_shared(model, pack_shared_prefix(seqs, lens, pad_id, device), head)
-    else:
-        forward = lambda model, seqs, lens, head: model(*_model_inputs(pack(seqs, lens, pad_id, device)), head)
-    hidden = teacher.hidden(policy, forward, [r.teacher_ids for r in used], [len(r.response_ids) for r in used],
-                            cfg.sdpo.teacher_micro_batch, calls=int(calls), dummy_seq=[pad_id, pad_id])
-    if len(used) == len(batch):
-        return hidden
-    width = hidden.shape[-1] if len(used) else teacher.hidden_size(policy)
-    parts, start = [], 0
-    for r in batch:
-        if r.sdpo_mask > 0:
-            parts.append(hidden[start:start + len(r.response_ids)])
-            start += len(r.response_ids)
-        else:
-            parts.append(torch.zeros(len(r.response_ids), width, device=device, dtype=hidden.dtype if len(used) else torch.float32))
-    return torch.cat(parts)
+def batch_rows(rows: list, step: int, n: int, seed: int) -> list:
+    """The prompts of a step: epochs of seeded permutations, so a resumed run sees the same order."""
+    start = step * n
+    out = []
+    while len(out) < n:
+        epoch, offset = divmod(start + len(out), len(rows))
+        order = list(range(len(rows)))
+        random.Random(stream_seed("prompts", seed, epoch)).shuffle(order)
+        out.append(rows[order[offset]])
+    return out
 
 
-def _call_shared(model, inputs, head):
-    ids, mask, hidden_index, prefix = inputs
-    return model(ids, mask, hidden_index, head, prefix)
-
-
-def _model_inputs(packed: Packed):
-    return packed.input_ids, packed.attention_mask, packed.hidden_index
-
-
-def _spans(batch):
-    start = 0
-    for r in batch:
-        yield start, start + len(r.response_ids)
-        start += len(r.response_ids)
-
-
-def per_token_list(values: list, device) -> torch.Tensor:
-    return torch.tensor([v for vs in values for v in vs], dtype=torch.float32, device=device)
-
-
-def step_counts(rollouts: list[Rollout], algo: str) -> dict:
-    """Global token / sequence counts of one optimizer step (all micro-batches, all ranks)."""
-    weight = lambda r: (r.sdpo_mask if algo == "sdpo" else 1.0) if r.response_ids else 0.0
-    return {"tokens": sum(len(r.response_ids) * (weight(r) > 0) for r in rollouts),
-            "sequences": sum(weight(r) > 0 for r in rollouts),
-            "max_len": max((len(r.response_ids) for r in rollouts), default=1)}
+def load_data(cfg: Config):
+    d = cfg.data
+    if d.reward == "code" or d.allow_weak_sandbox:  # refuse a sandbox that cannot isolate, before any work
+        from feedback import sandbox
+        sandbox.require_isolation(d.allow_weak_sandbox)
+    if d.task in data.TASKS:
+        return (data.task_rows(d.task, "train", d.train_rows, seed=cfg.train.seed, cfg=d),
+                data.task_rows(d.task, "test", d.eval_rows, cfg=d))
+    rows = data.load_rows(d.task, d.fields, d.reward or "math")
+    if d.eval_path:
+        return rows, data.load_rows(d.eval_path, d.fields, d.reward or "math", limit=d.eval_rows)
+    split = lambda r: data._split_of(r["uid"], d.heldout_percent)
+    return [r for r in rows if split(r) == "train"], [r for r in rows if split(r) == "test"][:d.eval_rows]
 
 
 # ----------------------------------------------------------------------------------------
-# The training loop
+# One step: collect rollouts (steps 2-4 of the loop), then learn from them (steps 5-7)
 
 
-def train(cfg: Config, model_dir: str, rank: int, world: int, device) -> dict:
-    """Run cfg.algo on the model in model_dir; returns the last logged metrics."""
-    from transformers import AutoTokenizer
-    from rollout import Engine
-    algo = cfg.algo.name
-    torch.manual_seed(cfg.train.seed)
-    os.makedirs(cfg.log.out_dir, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_rows, eval_rows = load_data(cfg)
-
-    # Engine first: an in-process engine sets up its own single-process distributed state.
-    engine = None
-    if algo != "sft" or cfg.eval_only:
-        own = {"auto": None, "inprocess": False, "own": True}[cfg.rollout.engine_process]
-        engine = rank0_call(rank, world, lambda: Engine(
-            model_dir, placement=cfg.rollout.placement, dtype=engine_dtype(cfg, device), seed=cfg.train.seed,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, max_model_len=cfg.rollout.max_model_len,
-            own_process=own, kv_cache_tokens=kv_cache_tokens(cfg, tokenizer, train_rows + eval_rows)), share=False)
-    logger = Logger(cfg, rank)
-    if cfg.eval_only:
-        metrics = rank0_call(rank, world, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))
-        if cfg.teacher_gap:
-            metrics.update(rank0_call(rank, world, lambda: teacher_gap(engine, tokenizer, eval_rows, cfg, cfg.train.seed)))
-        logger.log(0, metrics)
-        logger.close()
-        return metrics
-
-    if cfg.ttt_prompts:
-        return test_time_self_distillation(cfg, model_dir, engine, tokenizer, eval_rows, logger, rank, world, device)
-    policy, optimizer, scheduler, teacher = build_trainer(cfg, model_dir, world, device)
-    start_step = 0
-    if cfg.train.resume:
-        start_step = load_checkpoint(cfg.train.resume, policy, optimizer, teacher)
-    sync = lambda: sync_engine(cfg, engine, policy, tokenizer, rank, world, device)
-
-    if start_step > 0 and algo != "sft":
-        sync()
-    metrics = {}
-    if algo != "sft" and cfg.train.eval_every and start_step == 0:
-        metrics = rank0_call(rank, world, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))
-        logger.log(0, metrics)
-
-    nonfinite = [0]  # consecutive optimizer steps skipped for a NaN/inf loss or gradient
-    progress = logger.progress(start_step, cfg.train.steps)
-    for step in range(start_step, cfg.train.steps):
-        t_step = time.perf_counter()
-        metrics = {"step": step + 1}
-        # 1. sample prompts
-        rows = batch_rows(train_rows, step, cfg.train.prompts_per_step, cfg.train.seed)
-        # 2-4. generate, score, build teacher contexts (rank 0), then share with every rank
-        t0 = time.perf_counter()
-        if algo == "sft":
-            rollouts = sft_rollouts(tokenizer, rows, cfg, step)
-        else:
-            rollouts = rank0_call(rank, world, lambda: prepare_rollouts(engine, tokenizer, rows, cfg, step, metrics))
-            if rank == 0:
-                metrics.update(rollouts[1])
-            rollouts = rollouts[0]
-        metrics["time/rollout_s"] = time.perf_counter() - t0
-
-        # 5. update: mini-batches of micro-batches, this rank's share of each
-        t0 = time.perf_counter()
-        sums, stepped, grad_norms, teacher_seconds = update_policy(
-            cfg, policy, optimizer, scheduler, teacher, rollouts, step, pad_id, device, rank, world, nonfinite)
-        metrics["time/train_s"] = time.perf_counter() - t0 - teacher_seconds
-        metrics["time/teacher_s"] = teacher_seconds
-
-        # 6. update the teacher (EMA only after a real optimizer step)
-        if teacher is not None:
-            teacher.update(policy, stepped)
-        # 7. sync weights into the engine, with proof
-        if algo != "sft":
-            metrics.update(sync())
-        # 8. log
-        metrics.update(reduce_stats(sums, world, algo, len(grad_norms)))
-        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        metrics["actor/lr"] = scheduler.get_last_lr()[0]
-        metrics["time/step_s"] = time.perf_counter() - t_step
-        metrics["throughput/tokens_per_s"] = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts) / metrics["time/step_s"]
-        if algo != "sft" and cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
-            metrics.update(rank0_call(rank, world, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed)))
-        logger.log(step + 1, metrics)
-        progress.update(metrics)
-        if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
-            save_checkpoint(os.path.join(cfg.log.out_dir, f"checkpoint-{step + 1}"), policy, optimizer, teacher, step + 1)
-    progress.close()
-    save_hf(os.path.join(cfg.log.out_dir, "final"), policy, tokenizer, world, rank)
-    logger.close()
-    if engine is not None:
-        engine.close()
-    return metrics
+@dataclass
+class Trainer:
+    """What the updates change: the models, the optimizer and its schedule."""
+    models: Models
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    nonfinite_streak: int = 0  # consecutive optimizer steps skipped for a NaN/inf loss or gradient
 
 
-def test_time_self_distillation(cfg: Config, model_dir: str, engine, tokenizer, rows: list, logger, rank: int,
-                                world: int, device) -> dict:
-    """Paper section 5: repeated SDPO steps on one hard question alone, against best-of-k.
-
-    Hard questions: the first --ttt_prompts held-out rows with no success among
-    --rollout.eval_k samples of the initial model at --rollout.temperature. For each, from
-    the initial weights: best-of-k draws k = train.steps * rollout.n samples; self-distillation
-    runs up to train.steps steps of rollout.n samples on the question alone (teacher contexts
-    from the feedback, and from a success once there is one). Each logs the generations
-    until its first success (-1: none within k); the summary is discovery@k, the fraction of
-    questions solved within k generations, for k = n, 2n, ..., train.steps * n.
-    """
-    n, steps = cfg.rollout.n, cfg.train.steps
-    budget, pad_id = n * steps, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    first_success = lambda rollouts: next((i + 1 for i, r in enumerate(rollouts)
-                                           if r.reward >= cfg.sdpo.success_threshold), None)
-    screen = rank0_call(rank, world, lambda: generate_and_score(
-        engine, tokenizer, rows, cfg, cfg.train.seed * 1000 + 999_999, cfg.rollout.eval_k, cfg.rollout.temperature))
-    k = cfg.rollout.eval_k
-    hard = [row for i, row in enumerate(rows) if first_success(screen[i * k:(i + 1) * k]) is None][:cfg.ttt_prompts]
-    if rank == 0 and len(hard) < cfg.ttt_prompts:
-        print(f"ttt: only {len(hard)} of {len(rows)} held-out prompts have no success in {k} samples", file=sys.stderr)
-    found = {"ttt": [], "best_of_k": []}
-    for i, row in enumerate(hard):
-        policy, optimizer, scheduler, teacher = build_trainer(cfg, model_dir, world, device)
-        metrics = sync_engine(cfg, engine, policy, tokenizer, rank, world, device)  # the initial weights again
-        best = rank0_call(rank, world, lambda: generate_and_score(
-            engine, tokenizer, [row], cfg, cfg.train.seed * 1000 + 500_000 + i, budget, cfg.rollout.temperature))
-        found["best_of_k"].append(first_success(best))
-        found["ttt"].append(None)
-        nonfinite = [0]  # consecutive non-finite optimizer steps on this prompt
-        for step in range(steps):
-            rollouts, step_metrics = rank0_call(rank, world, lambda: prepare_rollouts(
-                engine, tokenizer, [row], cfg, (i + 1) * 1000 + step, {}))
-            at = first_success(rollouts)
-            if at is not None:
-                found["ttt"][-1] = step * n + at
-                break
-            _, stepped, _, _ = update_policy(cfg, policy, optimizer, scheduler, teacher, rollouts, step, pad_id,
-                                             device, rank, world, nonfinite)
-            if teacher is not None:
-                teacher.update(policy, stepped)
-            metrics.update(sync_engine(cfg, engine, policy, tokenizer, rank, world, device))
-        logger.log(i + 1, {"ttt/prompt": i, "ttt/discovered_at": found["ttt"][-1] or -1,
-                           "best_of_k/discovered_at": found["best_of_k"][-1] or -1,
-                           "sync/probe_max_abs_diff": metrics["sync/probe_max_abs_diff"]})
-    summary = {"ttt/prompts": len(hard)}
-    for kind, ats in found.items():
-        for j in range(1, steps + 1):
-            summary[f"{kind}/discovery@{j * n}"] = sum(a is not None and a <= j * n for a in ats) / max(len(ats), 1)
-    logger.log(len(hard) + 1, summary)
-    logger.close()
-    engine.close()
-    return summary
-
-
-def build_trainer(cfg: Config, model_dir: str, world: int, device):
-    """Policy (FSDP2-sharded when world > 1), AdamW with linear warmup, and the teacher."""
-    policy = load_policy(model_dir, cfg, world, device)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr,
-                                  betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
-    teacher = None
-    if cfg.algo.name in ("sdpo", "hybrid"):
-        needs_copy = cfg.sdpo.teacher != "live"
-        teacher_copy = load_policy(model_dir, cfg, world, device) if needs_copy else None
-        teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate, teacher_copy)
-    return policy, optimizer, scheduler, teacher
-
-
-def lr_factor(cfg: Config, step: int) -> float:
-    """The learning rate's multiplier at optimizer step `step` (0-based): linear warmup, then
-    constant or a linear decay that reaches 0 after the last of train.steps x mini_batches."""
-    warmup = min(1.0, (step + 1) / max(cfg.optim.warmup_steps, 1))
-    if cfg.optim.decay == "none":
-        return warmup
-    total = cfg.train.steps * cfg.train.mini_batches
-    return warmup * max(0.0, 1.0 - step / total)
-
-
-def sync_engine(cfg: Config, engine, policy, tokenizer, rank: int, world: int, device) -> dict:
-    """Load the policy's weights into the engine and prove it: the engine's log-probs of a
-    fixed probe must match the trainer's within --rollout.sync_tol (rollout.py)."""
-    from rollout import probe_ids
+def collect(cfg: Config, objective, engine, tokenizer, rows: list, step: int, d: Dist):
+    """Rank 0 generates and scores n responses per row (or takes the rows' references) and the
+    objective writes what its loss needs onto them; every rank gets the rollouts."""
     t0 = time.perf_counter()
-    state = full_state_dict(policy, world)
-    probe = probe_ids(tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    probe_packed = pack([probe], [len(probe) - 1], pad_id, device)
-    with torch.no_grad():
-        probe_lp = policy(*_model_inputs(probe_packed), lambda h, w: token_stats(h, w, probe_packed.targets, 1.0)[0])
-    reshard(policy)
-    tol = cfg.rollout.sync_tol or (1e-3 if engine_dtype(cfg, device) == "float32" else 1.0)
-    result = rank0_call(rank, world, lambda: engine.update_weights(state, probe, probe_lp.cpu(), tol))
-    return {"sync/seconds": time.perf_counter() - t0, "sync/probe_max_abs_diff": result.probe_max_abs_diff}
+    if objective.references:
+        rollouts, metrics = sft_rollouts(tokenizer, rows, cfg, step), {}
+    else:
+        rollouts, metrics = rank0_call(d, lambda: prepare_rollouts(engine, tokenizer, rows, cfg, objective, step))
+    metrics["time/rollout_s"] = time.perf_counter() - t0
+    return rollouts, metrics
 
 
-def kv_cache_tokens(cfg: Config, tokenizer, rows: list) -> int:
-    """Tokens of KV cache the run's generations need at once: vLLM runs at most
-    MAX_CONCURRENT_SEQS sequences together, each a prompt and its response. Teacher-gap
-    prompts carry a demonstration or feedback, so prompts are counted three times over.
-    Too small a cache only makes vLLM schedule fewer sequences at a time."""
-    if cfg.rollout.kv_cache_tokens:
-        return cfg.rollout.kv_cache_tokens
-    longest = max(len(data.chat_prompt_ids(tokenizer, r["messages"], cfg.data.max_prompt_len)) for r in rows[:256])
-    per_sequence = min(3 * longest + cfg.rollout.max_tokens, cfg.rollout.max_model_len)
-    sequences = max(cfg.train.prompts_per_step * cfg.rollout.n, cfg.data.eval_rows * cfg.rollout.eval_k)
-    return min(sequences, MAX_CONCURRENT_SEQS) * per_sequence
-
-
-MAX_CONCURRENT_SEQS = 256  # vLLM's default max_num_seqs
-
-
-def engine_dtype(cfg: Config, device) -> str:
-    # Never vLLM's "auto": it silently runs a float32 checkpoint in half precision.
-    return cfg.rollout.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-
-
-def update_policy(cfg: Config, policy, optimizer, scheduler, teacher, rollouts: list[Rollout], step: int, pad_id: int,
-                  device, rank: int, world: int, nonfinite: list):
-    """One rollout batch's update: cfg.train.mini_batches optimizer steps, each accumulating
-    this rank's micro-batches. Returns (summed stats, whether any step was taken, grad norms,
-    teacher seconds)."""
-    algo = cfg.algo.name
-    policy.train()
-    order = list(range(len(rollouts)))
-    random.Random(cfg.train.seed * 1000003 + step).shuffle(order)
-    old_logprobs = compute_old_logprobs(cfg, policy, rollouts, pad_id, device, rank, world) \
-        if cfg.train.mini_batches > 1 else None
-    sums, stepped, grad_norms, teacher_seconds = {}, False, [], 0.0
-    if teacher is not None:
-        teacher.head_weight_source()  # a collective under FSDP2: gathered here, on every rank at once
-    for mb_indices in split_evenly(order, cfg.train.mini_batches):
-        counts = step_counts([rollouts[i] for i in mb_indices], algo)
-        # The order of micro-batches within an optimizer step does not change its gradient:
-        # keep each prompt's samples together so they share their teacher prompt's forward.
-        mb_indices = sorted(mb_indices)
-        mine = rank_share(mb_indices, rank, world)
-        micro = [mine[i:i + cfg.train.micro_batch] for i in range(0, len(mine), cfg.train.micro_batch)]
-        micro = pad_microbatch_count(micro, mb_indices, cfg.train.micro_batch, world)
-        finite = True
-        for j, idx in enumerate(micro):
-            batch = [rollouts[i] for i in idx]
-            with no_sync_unless(policy, world, last=j == len(micro) - 1):
-                if not batch:  # this rank has fewer rollouts: take part with a zero loss
-                    if teacher is not None:  # and in the teacher's collectives
-                        teacher_hidden_states(cfg, policy, teacher, [], pad_id, device, world)
-                    loss, stats = zero_loss(policy, device, pad_id)
-                else:
-                    loss, stats = microbatch_loss(cfg, policy, teacher, batch, counts, pad_id, device,
-                                                  None if old_logprobs is None else [old_logprobs[i] for i in idx])
-                finite &= bool(torch.isfinite(loss).item())
-                (loss * world).backward()  # FSDP2 averages gradients over ranks; the counts are global
-            teacher_seconds += stats.pop("teacher_seconds", 0.0)
-            for k, v in stats.items():
-                sums[k] = max(sums.get(k, 0.0), v) if k.endswith("_max") else sums.get(k, 0.0) + v
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optim.grad_clip)
-        grad_norm = float(full_tensor(grad_norm))
-        grad_norms.append(grad_norm)
-        if finite and math.isfinite(grad_norm):
-            optimizer.step()
-            scheduler.step()
-            stepped = True
-            nonfinite[0] = 0
-        else:
-            nonfinite[0] += 1
-            if nonfinite[0] >= cfg.train.max_nonfinite_steps:
-                raise FloatingPointError(
-                    f"step {step + 1}: loss or gradient norm not finite for {nonfinite[0]} optimizer steps "
-                    f"in a row (last grad norm {grad_norm}); lower --optim.lr or check the data")
-        optimizer.zero_grad(set_to_none=True)
-    return sums, stepped, grad_norms, teacher_seconds
-
-
-def prepare_rollouts(engine, tokenizer, rows, cfg: Config, step: int, metrics: dict):
-    """Rank 0's part of a step: generate, score, advantages, teacher contexts; and its metrics."""
-    algo = cfg.algo.name
-    rollouts = generate_and_score(engine, tokenizer, rows, cfg, cfg.train.seed * 1000 + step,
+def prepare_rollouts(engine, tokenizer, rows, cfg: Config, objective, step: int):
+    """Rank 0's part of a step: generate, score, the objective's prepare; and their metrics."""
+    rollouts = generate_and_score(engine, tokenizer, rows, cfg, stream_seed("generation", cfg.train.seed, step),
                                   cfg.rollout.n, cfg.rollout.temperature)
-    uids = [r.row["uid"] for r in rollouts]
-    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
-    group_ids = torch.tensor([uids.index(u) for u in uids])
-    advantages = losses.grpo_advantages(rewards, group_ids, norm_by_std=cfg.algo.norm_adv_by_std)
-    for r, a in zip(rollouts, advantages.tolist()):
-        r.advantage = a
-    out = {
-        "reward/mean": rewards.mean().item(),
-        "reward/success_rate": (rewards >= cfg.sdpo.success_threshold).float().mean().item(),
+    n = len(rollouts)
+    metrics = {
+        "reward/mean": sum(r.reward for r in rollouts) / n,
+        "reward/success_rate": success_rate(rollouts, cfg),
         "reward/errors": sum(bool(r.reward_error) for r in rollouts),
-        "response/length_mean": sum(len(r.response_ids) for r in rollouts) / len(rollouts),
-        "response/truncated_frac": sum(r.truncated for r in rollouts) / len(rollouts),
+        "response/length_mean": sum(len(r.response_ids) for r in rollouts) / n,
+        "response/truncated_frac": sum(r.truncated for r in rollouts) / n,
     }
     errors = [r for r in rollouts if r.reward_error]
     if errors:
         print(f"[step {step + 1}] {len(errors)} reward errors, e.g. {errors[0].row['source']}: {errors[0].reward_error}",
               file=sys.stderr)
-    if algo in ("sdpo", "hybrid"):
-        tb = sdpo.build_teacher_batch(tokenizer, [r.row for r in rollouts], [r.response_ids for r in rollouts],
-                                      [r.text for r in rollouts], [r.reward for r in rollouts],
-                                      [r.feedback for r in rollouts], cfg.sdpo)
-        for r, ids, m in zip(rollouts, tb.input_ids, tb.mask):
-            r.teacher_ids, r.sdpo_mask = ids, float(m)
-        out.update(tb.metrics)
-    return rollouts, out
+    metrics.update(objective.prepare(rollouts, tokenizer, cfg))
+    return rollouts, metrics
 
 
-def compute_old_logprobs(cfg, policy, rollouts, pad_id, device, rank, world) -> list:
-    """Trainer log-probs of every rollout before the update (needed with several mini-batches)."""
-    mine = list(range(len(rollouts)))[rank::world]
-    local = {}
-    with torch.no_grad():
-        for i in range(0, len(mine), cfg.train.micro_batch):
-            batch = [rollouts[j] for j in mine[i:i + cfg.train.micro_batch]]
-            packed = pack([r.prompt_ids + r.response_ids for r in batch], [len(r.response_ids) for r in batch], pad_id, device)
-            lp = policy(*_model_inputs(packed), lambda h, w: token_stats(h, w, packed.targets, cfg.rollout.temperature)[0])
-            for j, (s, e) in zip(mine[i:i + cfg.train.micro_batch], _spans(batch)):
-                local[j] = lp[s:e].tolist()
-    if world > 1:
+def learn(cfg: Config, objective, trainer: Trainer, engine, tokenizer, rollouts: list, step: int, d: Dist) -> dict:
+    """Update the policy on the rollouts, update the teacher, sync the engine's weights."""
+    t0 = time.perf_counter()
+    metrics, stepped = update_policy(cfg, objective, trainer, rollouts, step, pad_token_id(tokenizer), d)
+    metrics["time/train_s"] = time.perf_counter() - t0 - metrics["time/teacher_s"]
+    if trainer.models.teacher is not None:  # EMA only after a real optimizer step
+        trainer.models.teacher.update(trainer.models.policy, stepped)
+    if not objective.references:  # not `engine is not None`: only rank 0 holds the engine, all ranks sync
+        metrics.update(sync_engine(cfg, engine, trainer.models.policy, tokenizer, d))
+    return metrics
+
+
+def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step: int, pad_id: int, d: Dist):
+    """One rollout batch's update: --train.mini_batches optimizer steps, each accumulating this
+    rank's micro-batches. Returns (metrics, whether any optimizer step was taken).
+
+    An optimizer step with nothing to learn from (no counted token, e.g. SDPO with no teacher
+    context; or an exactly zero gradient, e.g. GRPO when every reward of every group ties) is
+    skipped: AdamW's momentum and weight decay would otherwise move the weights, and an EMA
+    teacher would follow them."""
+    models = trainer.models
+    models.policy.train()
+    before = objective.before_update(rollouts, models, cfg, pad_id, d)
+    units = micro_batch_units(rollouts, objective)
+    random.Random(stream_seed("shuffle", cfg.train.seed, step)).shuffle(units)
+    old_logprobs = objectives.response_logprobs(models.policy, rollouts, pad_id, d, cfg.train.micro_batch,
+                                                cfg.rollout.temperature) if cfg.train.mini_batches > 1 else None
+    if models.teacher is not None:
+        models.teacher.head_weight_source()  # a collective under FSDP2: gathered here, on every rank at once
+    stats, seconds, step_losses, grad_norms, skipped, stepped = {}, {}, [], [], 0, False
+    for mini_batch in split_evenly(units, cfg.train.mini_batches):
+        counts = step_counts([rollouts[i] for unit in mini_batch for i in unit], objective)
+        if counts["tokens"] == 0:  # every rank sees the same rollouts, so all skip together
+            skipped += 1
+            continue
+        loss, finite = accumulate_gradients(cfg, objective, models, rollouts, mini_batch, old_logprobs, counts, pad_id,
+                                            d, stats, seconds)
+        step_losses.append(loss)
+        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(models.policy.parameters(), cfg.optim.grad_clip)))
+        grad_norms.append(grad_norm)
+        if not (finite and math.isfinite(grad_norm)):
+            trainer.nonfinite_streak += 1
+            if trainer.nonfinite_streak >= cfg.train.max_nonfinite_steps:
+                raise FloatingPointError(
+                    f"step {step + 1}: loss or gradient norm not finite for {trainer.nonfinite_streak} optimizer "
+                    f"steps in a row (last grad norm {grad_norm}); lower --optim.lr or check the data")
+        elif grad_norm == 0.0:
+            skipped += 1
+        else:
+            trainer.optimizer.step()
+            trainer.scheduler.step()
+            stepped, trainer.nonfinite_streak = True, 0
+        trainer.optimizer.zero_grad(set_to_none=True)
+    metrics = {**before, **reduce_stats(stats, step_losses, d.world)}
+    metrics.update({"actor/grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "actor/skipped_steps": skipped,
+                    "actor/lr": trainer.scheduler.get_last_lr()[0], "time/teacher_s": seconds.get("teacher", (0.0,))[0]})
+    return metrics, stepped
+
+
+def accumulate_gradients(cfg: Config, objective, models: Models, rollouts: list, units: list, old_logprobs,
+                         counts: dict, pad_id: int, d: Dist, stats: dict, seconds: dict):
+    """Forward and backward over this rank's micro-batches of one optimizer step (units: lists
+    of rollout indices that share a micro-batch); adds their statistics into stats. Returns
+    (the summed loss, whether every loss was finite)."""
+    # The order of micro-batches within an optimizer step does not change its gradient:
+    # keep each prompt's samples together so they share their teacher prompt's forward.
+    units = sorted(units)
+    per_rank = [pack_units(rank_share(units, r, d.world), cfg.train.micro_batch) for r in range(d.world)]
+    # every rank runs as many forward/backward passes as the busiest (FSDP's collectives)
+    micro = per_rank[d.rank] + [[]] * (max(max(len(m) for m in per_rank), 1) - len(per_rank[d.rank]))
+    total, finite = 0.0, True
+    for j, part in enumerate(micro):
+        with no_sync_unless(models.policy, d.world, last=j == len(micro) - 1):
+            if part:
+                mb = objectives.micro_batch([rollouts[i] for i in part], counts, pad_id, d.device,
+                                            None if old_logprobs is None else [old_logprobs[i] for i in part], d.world)
+                loss, mb_stats = objective.loss(mb, models, cfg)
+                add_stats(stats, mb_stats)
+                add_stats(seconds, mb.seconds)
+            else:  # this rank has fewer rollouts: take part in the collectives with a zero loss
+                loss = idle_loss(cfg, models, pad_id, d)
+            finite &= bool(torch.isfinite(loss).item())
+            (loss * d.world).backward()  # FSDP2 averages gradients over ranks; the counts are global
+        total += loss.item()
+    return total, finite
+
+
+def idle_loss(cfg: Config, models: Models, pad_id: int, d: Dist):
+    """A zero loss with a forward through the policy (FSDP2's collectives) and, when there is
+    a teacher, through its forwards (collectives too)."""
+    if models.teacher is not None:
+        objectives.teacher_hidden_states(cfg, models, [], pad_id, d.device, d.world)
+    packed = data.pack([[pad_id, pad_id]], [1], pad_id, d.device)
+    return objectives.forward(models.policy, packed, lambda h, w: (h @ w.T).sum() * 0.0)
+
+
+def micro_batch_units(rollouts: list, objective) -> list[list[int]]:
+    """Lists of rollout indices that must share a micro-batch: each sample alone, or a prompt's
+    samples together (objectives that compare siblings, e.g. preference pairs)."""
+    if not objective.keep_prompts_together:
+        return [[i] for i in range(len(rollouts))]
+    groups = {}
+    for i, r in enumerate(rollouts):
+        groups.setdefault(r.row["uid"], []).append(i)
+    return list(groups.values())
+
+
+def pack_units(units: list[list[int]], size: int) -> list[list[int]]:
+    """Consecutive units in micro-batches of at most `size` sequences (a larger unit alone)."""
+    out, current = [], []
+    for unit in units:
+        if current and len(current) + len(unit) > size:
+            out.append(current)
+            current = []
+        current = current + unit
+    return out + ([current] if current else [])
+
+
+def step_counts(rollouts: list, objective) -> dict:
+    """Global token / sequence counts of one optimizer step (all micro-batches, all ranks)."""
+    counted = [r for r in rollouts if r.response_ids and objective.counted(r)]
+    return {"tokens": sum(len(r.response_ids) for r in counted), "sequences": len(counted),
+            "max_len": max((len(r.response_ids) for r in rollouts), default=1)}
+
+
+def add_stats(into: dict, stats: dict):
+    """Accumulate (sum, count) statistics; names ending in _max keep the maximum."""
+    for name, value in stats.items():
+        if not isinstance(value, tuple):
+            value = (value, 1.0)
+        total, count = into.get(name, (0.0, 0.0))
+        into[name] = (max(total, value[0]), 1.0) if name.endswith("_max") else (total + value[0], count + value[1])
+
+
+def reduce_stats(stats: dict, step_losses: list, world: int) -> dict:
+    """Means of the objective's (sum, count) statistics over micro-batches and ranks (maxima
+    for *_max), and the loss averaged over the optimizer steps taken."""
+    names = sorted(stats)
+    if world > 1:  # a rank without micro-batches has no statistics: agree on the names first
         gathered = [None] * world
-        dist.all_gather_object(gathered, local)
-        for g in gathered:
-            local.update(g)
-    return [local[i] for i in range(len(rollouts))]
-
-
-def zero_loss(policy, device, pad_id):
-    """A forward/backward with zero loss, so a rank without data still joins FSDP's collectives."""
-    packed = pack([[pad_id, pad_id]], [1], pad_id, device)
-    out = policy(*_model_inputs(packed), lambda h, w: (h @ w.T).sum() * 0.0)
-    return out, {}
+        dist.all_gather_object(gathered, names)
+        names = sorted(set().union(*gathered))
+    sums = torch.tensor([stats.get(n, (0.0, 0.0))[0] for n in names] + [sum(step_losses)], dtype=torch.float64)
+    counts = torch.tensor([stats.get(n, (0.0, 0.0))[1] for n in names], dtype=torch.float64)
+    maxima = torch.tensor([stats.get(n, (0.0, 0.0))[0] if n.endswith("_max") else 0.0 for n in names],
+                          dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(sums)
+        dist.all_reduce(counts)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    out = {"actor/loss": sums[-1].item() / max(len(step_losses), 1)}
+    for i, name in enumerate(names):
+        out[name] = maxima[i].item() if name.endswith("_max") else sums[i].item() / max(counts[i].item(), 1.0)
+    return out
 
 
 def rank_share(items: list, rank: int, world: int) -> list:
@@ -938,12 +634,6 @@ def rank_share(items: list, rank: int, world: int) -> list:
     size, extra = divmod(len(items), world)
     start = rank * size + min(rank, extra)
     return items[start:start + size + (rank < extra)]
-
-
-def pad_microbatch_count(micro, mb_indices, size, world):
-    """Every rank must run the same number of forward/backward passes (FSDP collectives)."""
-    most = max(math.ceil(len(rank_share(mb_indices, r, world)) / size) for r in range(world)) or 1
-    return micro + [[] for _ in range(most - len(micro))]
 
 
 @contextlib.contextmanager
@@ -966,91 +656,251 @@ def split_evenly(items: list, parts: int) -> list[list]:
     return out
 
 
-SUMMED = ("loss_sum", "tokens", "entropy_sum", "mismatch_kl_sum", "is_ratio_sum", "divergence_sum", "distill_tokens")
+# ----------------------------------------------------------------------------------------
+# The training loop
 
 
-def reduce_stats(sums: dict, world: int, algo: str, optimizer_steps: int) -> dict:
-    """Token-weighted means of the micro-batch sums over all ranks."""
-    totals = torch.tensor([sums.get(k, 0.0) for k in SUMMED], dtype=torch.float64)
-    is_max = torch.tensor([sums.get("is_ratio_max", 0.0)], dtype=torch.float64)
-    if world > 1:
-        dist.all_reduce(totals)
-        dist.all_reduce(is_max, op=dist.ReduceOp.MAX)
-    total = dict(zip(SUMMED, totals.tolist()))
-    tokens = max(total["tokens"], 1.0)
-    out = {"actor/loss": total["loss_sum"] / optimizer_steps, "actor/entropy": total["entropy_sum"] / tokens, "rollout/mismatch_kl": total["mismatch_kl_sum"] / tokens,
-           "is/ratio_mean": total["is_ratio_sum"] / tokens, "is/ratio_max": is_max.item()}
-    if algo == "sdpo":
-        out["sdpo/divergence"] = total["divergence_sum"] / max(total["distill_tokens"], 1.0)
-    if algo == "sft":  # references have no engine log-probs to compare with
-        out = {k: out[k] for k in ("actor/loss", "actor/entropy")}
-    return out
+def train(cfg: Config, model_dir: str, d: Dist) -> dict:
+    """Run cfg.algo on the model in model_dir; returns the last logged metrics."""
+    objective = objectives.OBJECTIVES[cfg.algo.name]
+    torch.manual_seed(cfg.train.seed)
+    os.makedirs(cfg.log.out_dir, exist_ok=True)
+    tokenizer = load_tokenizer(model_dir)
+    train_rows, eval_rows = load_data(cfg)
+    generates = cfg.eval_only or not objective.references  # the same on every rank; only rank 0 holds the engine
+    engine = start_engine(cfg, model_dir, tokenizer, train_rows + eval_rows, d) if generates else None
+    logger = Logger(cfg, d.rank)
+    if cfg.eval_only:
+        return evaluate_only(cfg, engine, tokenizer, eval_rows, logger, d)
+    if cfg.ttt_prompts:
+        return test_time_self_distillation(cfg, objective, model_dir, engine, tokenizer, eval_rows, logger, d)
+    trainer = build_trainer(cfg, objective, model_dir, d)
+    start_step = load_checkpoint(cfg.train.resume, trainer) if cfg.train.resume else 0
+    if generates and start_step > 0:
+        sync_engine(cfg, engine, trainer.models.policy, tokenizer, d)
+    evaluate_now = lambda step: generates and cfg.train.eval_every and (
+        step % cfg.train.eval_every == 0 or step == cfg.train.steps)
+    metrics = {}
+    if evaluate_now(0) and start_step == 0:
+        metrics = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))
+        logger.log(0, metrics)
+
+    progress = logger.progress(start_step, cfg.train.steps)
+    for step in range(start_step, cfg.train.steps):
+        t_step = time.perf_counter()
+        # 1. sample prompts
+        rows = batch_rows(train_rows, step, cfg.train.prompts_per_step, cfg.train.seed)
+        # 2-4. generate, score, write what the objective needs (advantages, teacher contexts)
+        rollouts, metrics = collect(cfg, objective, engine, tokenizer, rows, step, d)
+        # 5-7. update the policy (mini-batches of micro-batches), the teacher; sync the engine, with proof
+        metrics.update(learn(cfg, objective, trainer, engine, tokenizer, rollouts, step, d))
+        metrics["time/step_s"] = time.perf_counter() - t_step
+        metrics["throughput/tokens_per_s"] = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts) / metrics["time/step_s"]
+        # 8. evaluate, log, checkpoint
+        if evaluate_now(step + 1):
+            metrics.update(rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed)))
+        logger.log(step + 1, metrics)
+        progress.update(metrics)
+        if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
+            save_checkpoint(os.path.join(cfg.log.out_dir, f"checkpoint-{step + 1}"), trainer, step + 1)
+    progress.close()
+    save_hf(os.path.join(cfg.log.out_dir, "final"), trainer.models.policy, tokenizer, d)
+    logger.close()
+    if engine is not None:
+        engine.close()
+    return metrics
 
 
-def batch_rows(rows: list, step: int, n: int, seed: int) -> list:
-    """The prompts of a step: epochs of seeded permutations, so a resumed run sees the same order."""
-    start = step * n
-    out = []
-    while len(out) < n:
-        epoch, offset = divmod(start + len(out), len(rows))
-        order = list(range(len(rows)))
-        random.Random(seed * 7919 + epoch).shuffle(order)
-        out.append(rows[order[offset]])
-    return out
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
-def load_data(cfg: Config):
-    d = cfg.data
-    if d.task in data.TASKS:
-        return (data.task_rows(d.task, "train", d.train_rows, seed=cfg.train.seed, cfg=d),
-                data.task_rows(d.task, "test", d.eval_rows, cfg=d))
-    rows = data.load_rows(d.task, d.fields, d.reward or "math")
-    if d.eval_path:
-        return rows, data.load_rows(d.eval_path, d.fields, d.reward or "math", limit=d.eval_rows)
-    split = lambda r: data._split_of(r["uid"], d.heldout_percent)
-    return [r for r in rows if split(r) == "train"], [r for r in rows if split(r) == "test"][:d.eval_rows]
+def pad_token_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
+    """Rank 0's vLLM engine (None on other ranks). Started before the trainer: an in-process
+    engine sets up its own single-process distributed state."""
+    from rollout import Engine
+    own = {"auto": None, "inprocess": False, "own": True}[cfg.rollout.engine_process]
+    return rank0_call(d, lambda: Engine(
+        model_dir, placement=cfg.rollout.placement, dtype=engine_dtype(cfg, d.device), seed=cfg.train.seed,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, max_model_len=cfg.rollout.max_model_len,
+        own_process=own, kv_cache_tokens=kv_cache_tokens(cfg, model_dir, tokenizer, rows, d.device)), share=False)
+
+
+def evaluate_only(cfg: Config, engine, tokenizer, eval_rows: list, logger, d: Dist) -> dict:
+    """--eval_only: avg@k on the held-out rows (and, with --teacher_gap, what SDPO's teacher can do)."""
+    metrics = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))
+    if cfg.teacher_gap:
+        metrics.update(rank0_call(d, lambda: teacher_gap(engine, tokenizer, eval_rows, cfg, cfg.train.seed)))
+    logger.log(0, metrics)
+    logger.close()
+    return metrics
+
+
+def test_time_self_distillation(cfg: Config, objective, model_dir: str, engine, tokenizer, rows: list, logger,
+                                d: Dist) -> dict:
+    """Paper section 5: repeated SDPO steps on one hard question alone, against best-of-k.
+
+    Hard questions: the first --ttt_prompts held-out rows with no success among
+    --rollout.eval_k samples of the initial model at --rollout.temperature. For each, from
+    the initial weights: best-of-k draws k = train.steps * rollout.n samples; self-distillation
+    runs up to train.steps steps of rollout.n samples on the question alone (teacher contexts
+    from the feedback, and from a success once there is one). Each logs the generations
+    until its first success (-1: none within k); the summary is discovery@k, the fraction of
+    questions solved within k generations, for k = n, 2n, ..., train.steps * n.
+    """
+    n, steps, k = cfg.rollout.n, cfg.train.steps, cfg.rollout.eval_k
+    first_success = lambda rollouts: next((i + 1 for i, r in enumerate(rollouts)
+                                           if r.reward >= cfg.sdpo.success_threshold), None)
+    screen = rank0_call(d, lambda: generate_and_score(
+        engine, tokenizer, rows, cfg, stream_seed("generation", cfg.train.seed, 999_999), k, cfg.rollout.temperature))
+    hard = [row for i, row in enumerate(rows) if first_success(screen[i * k:(i + 1) * k]) is None][:cfg.ttt_prompts]
+    if d.rank == 0 and len(hard) < cfg.ttt_prompts:
+        print(f"ttt: only {len(hard)} of {len(rows)} held-out prompts have no success in {k} samples", file=sys.stderr)
+    found = {"ttt": [], "best_of_k": []}
+    for i, row in enumerate(hard):
+        trainer = build_trainer(cfg, objective, model_dir, d)
+        metrics = sync_engine(cfg, engine, trainer.models.policy, tokenizer, d)  # the initial weights again
+        best = rank0_call(d, lambda: generate_and_score(
+            engine, tokenizer, [row], cfg, stream_seed("generation", cfg.train.seed, 500_000 + i), n * steps,
+            cfg.rollout.temperature))
+        found["best_of_k"].append(first_success(best))
+        found["ttt"].append(None)
+        for step in range(steps):
+            rollouts, _ = collect(cfg, objective, engine, tokenizer, [row], (i + 1) * 1000 + step, d)
+            at = first_success(rollouts)
+            if at is not None:
+                found["ttt"][-1] = step * n + at
+                break
+            metrics.update(learn(cfg, objective, trainer, engine, tokenizer, rollouts, step, d))
+        logger.log(i + 1, {"ttt/prompt": i, "ttt/discovered_at": found["ttt"][-1] or -1,
+                           "best_of_k/discovered_at": found["best_of_k"][-1] or -1,
+                           "sync/probe_max_abs_diff": metrics["sync/probe_max_abs_diff"]})
+    summary = {"ttt/prompts": len(hard)}
+    for kind, ats in found.items():
+        for j in range(1, steps + 1):
+            summary[f"{kind}/discovery@{j * n}"] = sum(a is not None and a <= j * n for a in ats) / max(len(ats), 1)
+    logger.log(len(hard) + 1, summary)
+    logger.close()
+    engine.close()
+    return summary
+
+
+def build_trainer(cfg: Config, objective, model_dir: str, d: Dist) -> Trainer:
+    """Policy (FSDP2-sharded when world > 1), AdamW with linear warmup, and the optional
+    models the objective asks for."""
+    policy = load_policy(model_dir, cfg, d.world, d.device)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr,
+                                  betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
+    models = Models(policy)
+    if "teacher" in objective.models:
+        copy = load_policy(model_dir, cfg, d.world, d.device) if cfg.sdpo.teacher != "live" else None
+        models.teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate, copy)
+    return Trainer(models, optimizer, scheduler)
+
+
+def lr_factor(cfg: Config, step: int) -> float:
+    """The learning rate's multiplier at optimizer step `step` (0-based): linear warmup, then
+    constant or a linear decay that reaches 0 after the last of train.steps x mini_batches."""
+    warmup = min(1.0, (step + 1) / max(cfg.optim.warmup_steps, 1))
+    if cfg.optim.decay == "none":
+        return warmup
+    total = cfg.train.steps * cfg.train.mini_batches
+    return warmup * max(0.0, 1.0 - step / total)
+
+
+def sync_engine(cfg: Config, engine, policy, tokenizer, d: Dist) -> dict:
+    """Load the policy's weights into the engine and prove it: the engine's log-probs of a
+    fixed probe must match the trainer's within --rollout.sync_tol (rollout.py)."""
+    from rollout import probe_ids
+    t0 = time.perf_counter()
+    state = full_state_dict(policy, d.world)
+    probe = probe_ids(tokenizer)
+    packed = data.pack([probe], [len(probe) - 1], pad_token_id(tokenizer), d.device)
+    with torch.no_grad():
+        probe_lp = objectives.forward(policy, packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(
+            h, w, packed.targets)[0])
+    reshard(policy)
+    tol = cfg.rollout.sync_tol or (1e-3 if engine_dtype(cfg, d.device) == "float32" else 1.0)
+    result = rank0_call(d, lambda: engine.update_weights(state, probe, probe_lp.cpu(), tol))
+    return {"sync/seconds": time.perf_counter() - t0, "sync/probe_max_abs_diff": result.probe_max_abs_diff}
+
+
+def kv_cache_tokens(cfg: Config, model_dir: str, tokenizer, rows: list, device) -> int:
+    """Tokens of KV cache the run's generations need at once: vLLM runs at most
+    MAX_CONCURRENT_SEQS sequences together, each a prompt and its response. Teacher-gap
+    prompts carry a demonstration or feedback, so prompts are counted three times over. On
+    CPU the cache is capped at CPU_KV_CACHE_BYTES: more concurrent sequences do not make a
+    CPU generate faster, and too small a cache only makes vLLM schedule fewer at a time."""
+    if cfg.rollout.kv_cache_tokens:
+        return cfg.rollout.kv_cache_tokens
+    from rollout import kv_bytes_per_token
+    longest = max(len(data.chat_prompt_ids(tokenizer, r["messages"], cfg.data.max_prompt_len)) for r in rows[:256])
+    per_sequence = min(3 * longest + cfg.rollout.max_tokens, cfg.rollout.max_model_len)
+    sequences = max(cfg.train.prompts_per_step * cfg.rollout.n, cfg.data.eval_rows * cfg.rollout.eval_k)
+    need = min(sequences, MAX_CONCURRENT_SEQS) * per_sequence
+    if device.type == "cpu":
+        need = min(need, CPU_KV_CACHE_BYTES // kv_bytes_per_token(model_dir, engine_dtype(cfg, device)))
+    return need
+
+
+MAX_CONCURRENT_SEQS = 256  # vLLM's default max_num_seqs
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def engine_dtype(cfg: Config, device) -> str:
+    # Never vLLM's "auto": it silently runs a float32 checkpoint in half precision.
+    return cfg.rollout.dtype or ("bfloat16" if device.type == "cuda" else "float32")
 
 
 # ----------------------------------------------------------------------------------------
 # Checkpoints and logging
 
 
-def save_checkpoint(path, policy, optimizer, teacher, step):
+def save_checkpoint(path: str, trainer: Trainer, step: int):
+    """Policy, optimizer, the optional models and the RNG state (torch.distributed.checkpoint:
+    every rank writes its shards)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    model_state, optim_state = get_state_dict(policy, optimizer)
-    state = {"policy": model_state, "optimizer": optim_state,
-             "meta": {"step": step, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}}
-    if teacher is not None and teacher.copy is not None:
-        state["teacher"] = teacher.copy.state_dict()
-    dcp.save(state, checkpoint_id=path)
+    dcp.save(checkpoint_state(trainer, step), checkpoint_id=path)
 
 
-def load_checkpoint(path, policy, optimizer, teacher) -> int:
+def load_checkpoint(path: str, trainer: Trainer) -> int:
+    """Restore what save_checkpoint wrote into trainer; returns the step to continue from."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    model_state, optim_state = get_state_dict(policy, optimizer)
-    state = {"policy": model_state, "optimizer": optim_state, "meta": {"step": 0, "torch_rng": torch.get_rng_state(),
-                                                                         "python_rng": random.getstate()}}
-    if teacher is not None and teacher.copy is not None:
-        state["teacher"] = teacher.copy.state_dict()
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    state = checkpoint_state(trainer, 0)
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(policy, optimizer, model_state_dict=state["policy"], optim_state_dict=state["optimizer"])
+    set_state_dict(trainer.models.policy, trainer.optimizer, model_state_dict=state["policy"],
+                   optim_state_dict=state["optimizer"])
     if "teacher" in state:
-        teacher.copy.load_state_dict(state["teacher"])
-        teacher._head = None
+        trainer.models.teacher.load_state_dict(state["teacher"])
     torch.set_rng_state(state["meta"]["torch_rng"])
     random.setstate(state["meta"]["python_rng"])
     return int(state["meta"]["step"])
 
 
-def save_hf(path, policy, tokenizer, world, rank):
+def checkpoint_state(trainer: Trainer, step: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_state, optim_state = get_state_dict(trainer.models.policy, trainer.optimizer)
+    state = {"policy": model_state, "optimizer": optim_state,
+             "meta": {"step": step, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}}
+    if trainer.models.teacher is not None and trainer.models.teacher.copy is not None:
+        state["teacher"] = trainer.models.teacher.state_dict()
+    return state
+
+
+def save_hf(path: str, policy, tokenizer, d: Dist):
     """An ordinary HF directory (transformers and vLLM load it)."""
-    state = full_state_dict(policy, world)
-    if rank == 0:
+    state = full_state_dict(policy, d.world)
+    if d.rank == 0:
         policy.hf.save_pretrained(path, state_dict=state)
         tokenizer.save_pretrained(path)
-    if world > 1:
+    if d.world > 1:
         dist.barrier()
 
 
@@ -1111,11 +961,11 @@ class Progress:
 # Entry point
 
 
-def resolve_model(cfg: Config, rank: int, world: int, device) -> str:
+def resolve_model(cfg: Config, d: Dist) -> str:
     """The model to train: --model.path, or the tiny model after its cached SFT warm start."""
     if cfg.model.path:
         return cfg.model.path
-    tiny = rank0_call(rank, world, lambda: data.tiny_model_dir(cfg.model.tiny))
+    tiny = rank0_call(d, lambda: data.tiny_model_dir(cfg.model.tiny))
     if not cfg.train.warm_start_steps or cfg.algo.name == "sft":
         return tiny
     # The warm start is `--algo sft` with the train.warm_start_* values, one optimizer step per
@@ -1139,9 +989,9 @@ def resolve_model(cfg: Config, rank: int, world: int, device) -> str:
     import hashlib
     path = tiny + "-sft-" + hashlib.sha1(recipe.encode()).hexdigest()[:10]
     if not os.path.exists(os.path.join(path, "final", "config.json")):
-        if rank == 0:
+        if d.rank == 0:
             print(f"warm start: {cfg.train.warm_start_steps} SFT steps on the task's references -> {path}")
-        train(dataclasses.replace(warm, log=dataclasses.replace(warm.log, out_dir=path)), tiny, rank, world, device)
+        train(dataclasses.replace(warm, log=dataclasses.replace(warm.log, out_dir=path)), tiny, d)
     return os.path.join(path, "final")
 
 
@@ -1156,14 +1006,14 @@ def parse_config(argv=None) -> Config:
 
 def main(argv=None):
     cfg = parse_config(argv)
-    rank, world, device = setup_distributed()
+    d = setup_distributed()
     t0 = time.perf_counter()
-    model_dir = resolve_model(cfg, rank, world, device)
-    metrics = train(cfg, model_dir, rank, world, device)
-    if rank == 0:
+    model_dir = resolve_model(cfg, d)
+    metrics = train(cfg, model_dir, d)
+    if d.rank == 0:
         shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("eval/", "reward/"))}
         print(f"done in {time.perf_counter() - t0:.0f}s: {shown} -> {cfg.log.out_dir}")
-    if world > 1:
+    if d.world > 1:
         dist.barrier()
         dist.destroy_process_group()
     return metrics

@@ -67,6 +67,13 @@ class Teacher:
         self._head = None
         return True
 
+    def state_dict(self) -> dict:
+        return self.copy.state_dict()
+
+    def load_state_dict(self, state: dict):
+        self.copy.load_state_dict(state)
+        self._head = None  # gathered again from the restored weights
+
     def head_weight_source(self):
         """The copy's LM-head weight, whole (every rank calls this at the same point)."""
         if self._head is None and self.copy is not None:

@@ -37,7 +37,7 @@ def warm_start(flags: list[str]) -> str:
     import torch
     import run
     cfg = run.parse_config(flags + ["--log.progress=False"])  # no progress bar in the bench's output
-    return run.resolve_model(cfg, 0, 1, torch.device("cpu"))
+    return run.resolve_model(cfg, run.Dist(0, 1, torch.device("cpu")))
 
 
 def run_one(launcher: list[str], flags: list[str], out_dir: str) -> list[dict]:

@@ -22,11 +22,14 @@ if __name__ == "__main__":  # vLLM starts its engine core with spawn: the entry 
     from torch.distributed.tensor import DTensor
     from transformers import AutoTokenizer
 
+    import data
+    import losses
     import rollout
     import run
 
     out_dir, model_dir = sys.argv[1], sys.argv[2]
-    rank, world, device = run.setup_distributed()
+    d = run.setup_distributed()
+    rank, world, device = d.rank, d.world, d.device
     result = {"rank": rank, "world": world}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     probe = rollout.probe_ids(tokenizer)
@@ -34,7 +37,7 @@ if __name__ == "__main__":  # vLLM starts its engine core with spawn: the entry 
 
     # Engine first, as in run.train; rank0_call hands a failure on rank 0 to rank 1 as well.
     t0 = time.perf_counter()
-    engine = run.rank0_call(rank, world, lambda: rollout.Engine(
+    engine = run.rank0_call(d, lambda: rollout.Engine(
         model_dir, dtype="float32", kv_cache_tokens=32768), share=False)
     if rank == 0:
         result["engine_start_s"] = time.perf_counter() - t0
@@ -45,18 +48,17 @@ if __name__ == "__main__":  # vLLM starts its engine core with spawn: the entry 
 
     policy = run.load_policy(model_dir, run.Config(), world, device)
     result["sharded"] = all(isinstance(p, DTensor) for p in policy.parameters())
-    packed = run.pack([probe], [len(probe) - 1], pad_id, device)
-    inputs = run._model_inputs(packed)
+    packed = data.pack([probe], [len(probe) - 1], pad_id, device)
 
     def probe_logprobs():  # as run.train's sync(): through the sharded model, on every rank
         with torch.no_grad():
-            return policy(*inputs, lambda h, w: run.token_stats(h, w, packed.targets, 1.0)[0]).cpu()
+            return policy(packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(h, w, packed.targets)[0]).cpu()
 
     before = probe_logprobs()
     # One AdamW step on the probe's NLL: every parameter moves by about lr, identically on both
     # ranks (FSDP2 reduce-scatters the gradient).
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.0)
-    loss = policy(*inputs, lambda h, w: -run.token_logprobs_with_grad(h, w, packed.targets, 1.0).mean())
+    loss = policy(packed, lambda h, w: -losses.token_logprobs(h @ w.T, packed.targets).mean())
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -65,7 +67,7 @@ if __name__ == "__main__":  # vLLM starts its engine core with spawn: the entry 
 
     state = run.full_state_dict(policy, world)  # every rank takes part; rank 0 gets the tensors
     result["state_keys"] = sorted(state)
-    sync = run.rank0_call(rank, world, lambda: engine.update_weights(state, probe, after, tol=1e-4))
+    sync = run.rank0_call(d, lambda: engine.update_weights(state, probe, after, tol=1e-4))
     result["probe_max_abs_diff"] = sync.probe_max_abs_diff
     result["sync_s"] = sync.seconds
     if rank == 0:

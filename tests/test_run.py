@@ -11,12 +11,15 @@ import torch
 
 import data
 import feedback
+import objectives
 import run
+from objectives import OBJECTIVES, Models
 from rollout import Sample
 from teacher import Teacher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = torch.device("cpu")
+ONE_PROCESS = run.Dist(0, 1, CPU)
 
 
 # ----------------------------------------------------------------------------------------
@@ -143,6 +146,14 @@ class NoSchedule:
     def step(self):
         pass
 
+    def get_last_lr(self):
+        return [0.0]
+
+
+def _update(cfg, trainer, rollouts, pad_id, objective=None, step=0):
+    """run.update_policy on one process; returns (metrics, stepped)."""
+    return run.update_policy(cfg, objective or OBJECTIVES[cfg.algo.name], trainer, rollouts, step, pad_id, ONE_PROCESS)
+
 
 def _grads(tiny_dir, tokenizer, algo, micro_batch, mini_batches=1, teacher_kind="ema", **sdpo_flags):
     cfg = run.parse_config([f"--algo={algo}", f"--train.micro_batch={micro_batch}",
@@ -153,23 +164,25 @@ def _grads(tiny_dir, tokenizer, algo, micro_batch, mini_batches=1, teacher_kind=
     teacher = Teacher(teacher_kind, cfg.sdpo.teacher_rate, _policy(tiny_dir) if teacher_kind != "live" else None)
     recorder = GradRecorder(policy)
     rollouts = _rollouts(tokenizer, algo)
-    sums, stepped, norms, _ = run.update_policy(cfg, policy, recorder, NoSchedule(), teacher, rollouts, 0,
-                                                tokenizer.pad_token_id, CPU, 0, 1, [0])
-    return recorder.grads, sums, norms
+    metrics, _ = _update(cfg, run.Trainer(Models(policy, teacher), recorder, NoSchedule()), rollouts,
+                         tokenizer.pad_token_id)
+    return recorder.grads, metrics
 
 
 @pytest.mark.parametrize("algo,flags", [("sdpo", {}), ("sdpo", {"chunked": False, "alpha": 1.0}),
                                         ("sdpo", {"distill": "token"}), ("grpo", {}), ("gspo", {}),
                                         ("hybrid", {})])
 def test_micro_batch_size_does_not_change_gradients(tiny_dir, tokenizer, algo, flags):
-    one, sums_one, _ = _grads(tiny_dir, tokenizer, algo, 1, **flags)
-    four, sums_four, _ = _grads(tiny_dir, tokenizer, algo, 4, **flags)
+    one, metrics_one = _grads(tiny_dir, tokenizer, algo, 1, **flags)
+    four, metrics_four = _grads(tiny_dir, tokenizer, algo, 4, **flags)
     assert len(one) == len(four) == 1
     total = sum(g.abs().sum() for g in one[0].values())
     assert total > 0  # the loss reaches the weights
     for name in one[0]:
         torch.testing.assert_close(one[0][name], four[0][name], rtol=1e-4, atol=1e-7, msg=name)
-    assert sums_one["tokens"] == sums_four["tokens"]
+    assert metrics_one.keys() == metrics_four.keys()
+    for key in (k for k in metrics_one if not k.startswith("time/")):
+        assert metrics_one[key] == pytest.approx(metrics_four[key], rel=1e-4, abs=1e-7), key
 
 
 def test_shared_prefix_forward_matches_the_plain_forward(tiny_dir):
@@ -183,23 +196,22 @@ def test_shared_prefix_forward_matches_the_plain_forward(tiny_dir):
         r = int(torch.randint(1, 6, (1,), generator=g))
         seqs.append(prompt + torch.randint(5, 1000, (r,), generator=g).tolist())
         lens.append(r)
-    ids, mask, hidden_index, prefix = run.pack_shared_prefix(seqs, lens, 0, CPU)
-    assert prefix[0].shape[0] == 3  # three distinct prompts, each run once
+    packed = data.pack_shared_prefix(seqs, lens, 0, CPU)
+    assert packed.prefix[0].shape[0] == 3  # three distinct prompts, each run once
     identity = lambda hidden, weight: hidden
     with torch.no_grad():
-        shared = model(ids, mask, hidden_index, identity, prefix)
-        one_by_one = torch.cat([model(*run._model_inputs(run.pack([s], [r], 0, CPU)), identity)
-                                for s, r in zip(seqs, lens)])
+        shared = model(packed, identity)
+        one_by_one = torch.cat([model(data.pack([s], [r], 0, CPU), identity) for s, r in zip(seqs, lens)])
     assert shared.shape == (sum(lens), model.hf.config.hidden_size)
     torch.testing.assert_close(shared, one_by_one, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("teacher_kind", ["ema", "trust-region"])
 def test_shared_teacher_prefix_gives_the_same_gradients(tiny_dir, tokenizer, teacher_kind):
-    shared, sums_shared, _ = _grads(tiny_dir, tokenizer, "sdpo", 4, teacher_kind=teacher_kind)
-    plain, sums_plain, _ = _grads(tiny_dir, tokenizer, "sdpo", 4, teacher_kind=teacher_kind, share_teacher_prefix=False)
-    assert sums_shared["divergence_sum"] > 0
-    assert sums_shared["divergence_sum"] == pytest.approx(sums_plain["divergence_sum"], rel=1e-4)
+    shared, metrics_shared = _grads(tiny_dir, tokenizer, "sdpo", 4, teacher_kind=teacher_kind)
+    plain, metrics_plain = _grads(tiny_dir, tokenizer, "sdpo", 4, teacher_kind=teacher_kind, share_teacher_prefix=False)
+    assert metrics_shared["sdpo/divergence"] > 0
+    assert metrics_shared["sdpo/divergence"] == pytest.approx(metrics_plain["sdpo/divergence"], rel=1e-4)
     for name in plain[0]:
         torch.testing.assert_close(shared[0][name], plain[0][name], rtol=1e-4, atol=1e-7, msg=name)
 
@@ -212,8 +224,8 @@ def test_rank_shares_are_contiguous_and_cover_everything():
 
 
 def test_mini_batches_take_several_optimizer_steps(tiny_dir, tokenizer):
-    grads, _, norms = _grads(tiny_dir, tokenizer, "sdpo", 4, mini_batches=3)
-    assert len(grads) == len(norms) == 3
+    grads, metrics = _grads(tiny_dir, tokenizer, "sdpo", 4, mini_batches=3)
+    assert len(grads) == 3 and metrics["actor/skipped_steps"] == 0
 
 
 def test_no_success_and_no_feedback_gives_zero_sdpo_loss(tiny_dir, tokenizer):
@@ -222,29 +234,51 @@ def test_no_success_and_no_feedback_gives_zero_sdpo_loss(tiny_dir, tokenizer):
     teacher = Teacher("ema", 0.05, _policy(tiny_dir))
     rollouts = _rollouts(tokenizer, "sdpo", no_success=True)
     assert all(r.sdpo_mask == 0.0 for r in rollouts)
-    counts = run.step_counts(rollouts, "sdpo")
+    counts = run.step_counts(rollouts, OBJECTIVES["sdpo"])
     assert counts["tokens"] == 0 and counts["sequences"] == 0
-    loss, stats = run.microbatch_loss(cfg, policy, teacher, rollouts, counts, tokenizer.pad_token_id, CPU, None)
+    mb = objectives.micro_batch(rollouts, counts, tokenizer.pad_token_id, CPU, None, 1)
+    loss, stats = objectives.sdpo_loss(mb, Models(policy, teacher), cfg)
     assert torch.isfinite(loss) and loss.item() == 0.0
     loss.backward()
     grads = [p.grad for p in policy.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() and g.abs().max() == 0 for g in grads)
 
 
-def test_nonfinite_losses_skip_steps_then_stop(tiny_dir, tokenizer, monkeypatch):
+@pytest.mark.parametrize("algo", ["sdpo", "grpo"])
+def test_a_batch_with_nothing_to_learn_takes_no_optimizer_step(tiny_dir, tokenizer, algo):
+    """No teacher context (SDPO) or all rewards tied (GRPO): AdamW must not move the weights
+    (its weight decay and momentum would, with a zero gradient) and the EMA must not follow."""
+    cfg = run.parse_config([f"--algo={algo}", "--sdpo.topk=8", "--optim.weight_decay=0.1", "--train.mini_batches=2"])
+    policy, copy = _policy(tiny_dir, seed=4), _policy(tiny_dir)
+    teacher = Teacher("ema", 0.5, copy) if algo == "sdpo" else None
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.1)
+    trainer = run.Trainer(Models(policy, teacher), optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
+    rollouts = _rollouts(tokenizer, algo, no_success=True)
+    for r in rollouts:
+        r.advantage = 0.0  # every group tied
+    before = [p.detach().clone() for p in policy.parameters()]
+    teacher_before = [p.detach().clone() for p in copy.parameters()]
+    metrics, stepped = _update(cfg, trainer, rollouts, tokenizer.pad_token_id)
+    if teacher is not None:
+        teacher.update(policy, stepped)
+    assert not stepped and metrics["actor/skipped_steps"] == 2
+    assert all(torch.equal(p, b) for p, b in zip(policy.parameters(), before))
+    assert all(torch.equal(p, b) for p, b in zip(copy.parameters(), teacher_before))
+
+
+def test_nonfinite_losses_skip_steps_then_stop(tiny_dir, tokenizer):
+    import dataclasses
     cfg = run.parse_config(["--algo=grpo", "--train.max_nonfinite_steps=2", "--train.mini_batches=1"])
     policy = _policy(tiny_dir)
     recorder = GradRecorder(policy)
-    real = run.microbatch_loss
-    monkeypatch.setattr(run, "microbatch_loss", lambda *a, **k: (lambda l, s: (l * float("nan"), s))(*real(*a, **k)))
+    real = OBJECTIVES["grpo"].loss
+    nan_objective = dataclasses.replace(OBJECTIVES["grpo"], loss=lambda *a: (lambda l, s: (l * float("nan"), s))(*real(*a)))
     rollouts = _rollouts(tokenizer, "grpo")
-    nonfinite = [0]
-    _, stepped, _, _ = run.update_policy(cfg, policy, recorder, NoSchedule(), None, rollouts, 0,
-                                         tokenizer.pad_token_id, CPU, 0, 1, nonfinite)
-    assert not stepped and recorder.grads == [] and nonfinite == [1]
+    trainer = run.Trainer(Models(policy), recorder, NoSchedule())
+    _, stepped = _update(cfg, trainer, rollouts, tokenizer.pad_token_id, objective=nan_objective)
+    assert not stepped and recorder.grads == [] and trainer.nonfinite_streak == 1
     with pytest.raises(FloatingPointError, match="not finite for 2 optimizer steps"):
-        run.update_policy(cfg, policy, recorder, NoSchedule(), None, rollouts, 1, tokenizer.pad_token_id, CPU, 0, 1,
-                          nonfinite)
+        _update(cfg, trainer, rollouts, tokenizer.pad_token_id, objective=nan_objective, step=1)
 
 
 # ----------------------------------------------------------------------------------------
@@ -283,12 +317,27 @@ def test_raising_reward_function_fails_the_rollout_not_the_run(tokenizer, tmp_pa
     assert rollouts[1].feedback == ""
 
 
+def test_code_reward_refuses_a_weak_sandbox_unless_accepted(tmp_path, monkeypatch, capsys):
+    from feedback import sandbox
+    monkeypatch.setattr(sandbox, "_isolation", sandbox.Isolation(None, False, ("no bubblewrap here (test)",)))
+    monkeypatch.setattr(sandbox, "_weak_accepted", False)
+    monkeypatch.setattr(sandbox, "_announced", False)
+    path = tmp_path / "code.jsonl"
+    path.write_text(json.dumps({"prompt": "Add.", "tests": [{"input": "1 2", "output": "3"}]}) + "\n")
+    with pytest.raises(sandbox.SandboxUnavailable, match=r"(?s)no bubblewrap here \(test\).*allow_weak_sandbox"):
+        run.load_data(run.parse_config([f"--data.task={path}", "--data.reward=code"]))
+    with pytest.warns(RuntimeWarning, match="weak code sandbox"):
+        rows, _ = run.load_data(run.parse_config([f"--data.task={path}", "--data.reward=code",
+                                                  "--data.allow_weak_sandbox=True"]))
+    assert rows[0]["reward"] == "code" and "WARNING: weak code sandbox" in capsys.readouterr().err
+
+
 def test_prepare_rollouts_scores_advantages_and_teacher_contexts(tokenizer):
-    cfg = run.parse_config(["--algo=sdpo", "--rollout.n=3"])
+    cfg = run.parse_config(["--algo=hybrid", "--rollout.n=3"])  # hybrid: both advantages and teacher contexts
     rows = data.task_rows("strops", "train", 2)
     # the first sample solves nothing, the second is the reference of whichever row
     engine = CannedEngine(tokenizer, ["Program: nonsense", rows[0]["reference"], "Program: reverse"])
-    rollouts, metrics = run.prepare_rollouts(engine, tokenizer, rows, cfg, 0, {})
+    rollouts, metrics = run.prepare_rollouts(engine, tokenizer, rows, cfg, OBJECTIVES["hybrid"], 0)
     assert len(rollouts) == 6
     assert rollouts[1].reward == 1.0 and rollouts[0].reward == 0.0
     assert rollouts[0].feedback  # strops feedback names a failing case
@@ -443,7 +492,7 @@ import sys, torch
 sys.path.insert(0, {root!r})
 import run
 cfg = run.parse_config(["--data.task=quiz", "--train.warm_start_steps=3", "--log.progress=False"])
-print(run.resolve_model(cfg, 0, 1, torch.device("cpu")))
+print(run.resolve_model(cfg, run.Dist(0, 1, torch.device("cpu"))))
 """
 
 
@@ -475,7 +524,7 @@ def test_warm_start_is_plain_sft_and_shared_across_rl_flags(tiny_dir, monkeypatc
     the warm start would evaluate instead of training it), and its cache key agrees."""
     calls = []
 
-    def fake_train(cfg, model_dir, rank, world, device):
+    def fake_train(cfg, model_dir, d):
         calls.append(cfg)
         os.makedirs(os.path.join(cfg.log.out_dir, "final"))
         open(os.path.join(cfg.log.out_dir, "final", "config.json"), "w").close()
@@ -484,11 +533,19 @@ def test_warm_start_is_plain_sft_and_shared_across_rl_flags(tiny_dir, monkeypatc
     monkeypatch.setattr(data, "tiny_model_dir", lambda cfg=None: str(tmp_path / "tiny"))
     first = run.resolve_model(run.parse_config(["--eval_only=True", "--ttt_prompts=4", "--optim.lr=0.5",
                                                 "--train.seed=7", "--train.mini_batches=8", "--data.eval_rows=9"]),
-                              0, 1, CPU)
+                              ONE_PROCESS)
     warm = calls[0]
     assert (warm.algo.name, warm.eval_only, warm.ttt_prompts) == ("sft", False, 0)
     assert (warm.optim.lr, warm.train.seed, warm.train.mini_batches) == (2e-3, 0, 1)
     assert warm.train.steps == 300 and warm.train.prompts_per_step == 32
-    assert run.resolve_model(run.parse_config([]), 0, 1, CPU) == first and len(calls) == 1  # cached
-    run.resolve_model(run.parse_config(["--train.warm_start_lr=1e-3"]), 0, 1, CPU)
+    assert run.resolve_model(run.parse_config([]), ONE_PROCESS) == first and len(calls) == 1  # cached
+    run.resolve_model(run.parse_config(["--train.warm_start_lr=1e-3"]), ONE_PROCESS)
     assert len(calls) == 2  # a flag the warm start reads makes a new one
+
+
+def test_reward_kwargs_reach_the_reward_function(tmp_path):
+    (tmp_path / "limits.py").write_text("def reward(response, row, truncated, budget=1):\n    return float(budget)\n")
+    cfg = run.parse_config([f"--data.reward={tmp_path / 'limits.py'}:reward", '--data.reward_kwargs={"budget": 7}'])
+    assert feedback.score(run.reward_function(cfg, {"reward": "math"}), "", {"uid": "u"}, False).score == 7.0
+    with pytest.raises(ValueError, match="not a JSON object"):
+        run.reward_function(run.parse_config(["--data.reward_kwargs={budget: 7}"]), {"reward": "math"})

@@ -1,0 +1,435 @@
+"""Every objective of the loop in one place: what it needs from a rollout batch, and its loss.
+
+run.py's loop never names an algorithm. It looks `--algo` up once in OBJECTIVES and calls
+that row's plain functions at fixed points of a step:
+
+    references  True: train on the rows' reference responses (SFT) instead of generating
+    models      the optional models it needs beside the policy: "teacher" (SDPO's EMA /
+                frozen / trust-region copy), later "reference" and "discriminator"
+    prepare     rank 0, after scoring: write what the loss needs onto the rollouts
+                (advantages, teacher contexts) and return the step's metrics
+    counted     whether a rollout counts in the loss's normalisation (SDPO: it has a teacher
+                context); the loop turns this into the optimizer step's global counts
+    loss        (micro-batch, models, cfg) -> the micro-batch's loss, normalised by the
+                optimizer step's global counts, and {metric: (sum, count)} statistics
+
+To try a new objective: write its prepare and loss with the functions of losses.py, add a
+row. The shared mechanics every loss uses are written once, above the objectives: the
+forward pass (`forward`, `logprob_head`), the engine-vs-trainer correction
+(`engine_correction`), the rollout statistics (`rollout_stats`) and `aggregate`.
+
+Statistics are (sum, count) pairs so that run.reduce_stats can average them over
+micro-batches and ranks without knowing what they are; a name ending in "_max" is a
+maximum instead (its count is ignored).
+"""
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import data
+import losses
+import sdpo
+
+
+# ----------------------------------------------------------------------------------------
+# What the loss functions get
+
+
+@dataclass
+class Rollout:
+    """One response to one prompt, and what the objectives write on it."""
+    row: dict
+    prompt_ids: list
+    response_ids: list
+    rollout_logprobs: list  # from the engine, at the sampling temperature
+    text: str
+    truncated: bool
+    reward: float = 0.0
+    feedback: str = ""
+    reward_error: str = ""
+    policy_version: int = 0  # optimizer step whose weights generated it
+    # written by prepare:
+    advantage: float = 0.0  # GRPO/GSPO/hybrid
+    teacher_ids: list | None = None  # SDPO/hybrid: teacher prompt + the same response ids
+    sdpo_mask: float = 0.0  # SDPO/hybrid: 1.0 when the sample has a teacher context
+    teacher_context: str = ""  # SDPO/hybrid: "demonstration", "feedback" or "" (none)
+
+
+@dataclass
+class Models:
+    """The policy and the optional models an objective asked for (None when not)."""
+    policy: torch.nn.Module
+    teacher: object = None  # teacher.Teacher: SDPO's EMA / frozen / trust-region / live teacher
+    reference: torch.nn.Module | None = None  # a frozen copy of a policy (KL and DPO references)
+    discriminator: torch.nn.Module | None = None
+
+
+@dataclass
+class Dist:
+    """Where this process sits: its rank, the number of ranks, its device."""
+    rank: int
+    world: int
+    device: torch.device
+
+
+@dataclass
+class MicroBatch:
+    """Rollouts laid out for one forward/backward, with the step's global counts."""
+    rollouts: list
+    packed: data.Packed
+    rollout_logprobs: torch.Tensor  # [N] engine log-probs of the response tokens
+    old_logprobs: torch.Tensor | None  # [N] trainer log-probs before the update; None: the only optimizer step
+    counts: dict  # global counts of the optimizer step (run.step_counts)
+    pad_id: int
+    world: int = 1
+    seconds: dict = field(default_factory=dict)  # time spent in parts worth logging ("teacher")
+
+    @property
+    def device(self):
+        return self.packed.input_ids.device
+
+    def matrix(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-token values [N] -> [B, R] response matrix."""
+        return data.to_matrix(values, self.packed)
+
+    def per_sequence(self, value: Callable) -> torch.Tensor:
+        """[B] float tensor of value(rollout)."""
+        return torch.tensor([float(value(r)) for r in self.rollouts], dtype=torch.float32, device=self.device)
+
+    @property
+    def response_mask(self) -> torch.Tensor:
+        return self.matrix(torch.ones_like(self.rollout_logprobs))
+
+
+def micro_batch(rollouts: list, counts: dict, pad_id: int, device, old_logprobs: list | None, world: int) -> MicroBatch:
+    per_token = lambda lists: torch.tensor([v for vs in lists for v in vs], dtype=torch.float32, device=device)
+    return MicroBatch(
+        rollouts=rollouts,
+        packed=data.pack([r.prompt_ids + r.response_ids for r in rollouts], [len(r.response_ids) for r in rollouts],
+                         pad_id, device),
+        rollout_logprobs=per_token([r.rollout_logprobs for r in rollouts]),
+        old_logprobs=None if old_logprobs is None else per_token(old_logprobs),
+        counts=counts, pad_id=pad_id, world=world)
+
+
+# ----------------------------------------------------------------------------------------
+# Shared mechanics
+
+
+def response_logprobs(model, rollouts: list, pad_id: int, d: Dist, micro_batch: int, temperature: float) -> list:
+    """Log-probs of every rollout's response tokens under model, without gradient (old
+    log-probs, reference log-probs): each rank scores a share, then all ranks exchange them.
+    Returns one list of per-token floats per rollout, on every rank."""
+    mine = list(range(len(rollouts)))[d.rank::d.world]
+    local = {}
+    with torch.no_grad():
+        for i in range(0, len(mine), micro_batch):
+            part = mine[i:i + micro_batch]
+            packed = data.pack([rollouts[j].prompt_ids + rollouts[j].response_ids for j in part],
+                               [len(rollouts[j].response_ids) for j in part], pad_id, d.device)
+            logprobs = forward(model, packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(
+                h, w, packed.targets, temperature)[0])
+            start = 0
+            for j in part:
+                local[j] = logprobs[start:start + len(rollouts[j].response_ids)].tolist()
+                start += len(rollouts[j].response_ids)
+    if d.world > 1:
+        gathered = [None] * d.world
+        dist.all_gather_object(gathered, local)
+        for g in gathered:
+            local.update(g)
+    return [local[i] for i in range(len(rollouts))]
+
+
+def forward(model, packed: data.Packed, head):
+    """Run model (run.CausalLM) on packed sequences; head(hidden [N, H], lm_head weight) is
+    applied to the hidden states at the response positions inside the model's forward."""
+    return model(packed, head)
+
+
+def logprob_head(targets: torch.Tensor, temperature: float):
+    """Head for the policy-gradient and SFT losses: one pass over the logits gives the
+    log-probs of targets [N] (with gradient) and the entropy [N] (without)."""
+    def head(hidden, weight):
+        logits = (hidden @ weight.T).float()
+        return losses.token_logprobs(logits, targets, temperature), losses.entropy_from_logits(logits.detach(), temperature)
+    return head
+
+
+def old_or_current(mb: MicroBatch, current_logprobs: torch.Tensor) -> torch.Tensor:
+    """The log-probs the update is relative to [N]: before the update, or (with a single
+    optimizer step per batch, where they are equal) the current ones, detached."""
+    return current_logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs
+
+
+def engine_correction(mb: MicroBatch, old_logprobs: torch.Tensor, cfg) -> torch.Tensor:
+    """Truncated IS weights [B, R] for the engine-vs-trainer mismatch (SPEC section 3):
+    min(exp(old - rollout), --rollout.is_cap), token or sequence level; 1 when off."""
+    if not cfg.rollout.is_correction:
+        return torch.ones(mb.packed.shape, device=mb.device)
+    return losses.importance_weights(mb.matrix(old_logprobs), mb.matrix(mb.rollout_logprobs), cfg.rollout.is_cap,
+                                     level=cfg.rollout.is_level, mask=mb.response_mask)
+
+
+def rollout_stats(mb: MicroBatch, old_logprobs: torch.Tensor, entropy: torch.Tensor) -> dict:
+    """Entropy, engine-vs-trainer mismatch KL and IS ratios, as (sum, count) over tokens."""
+    tokens = float(entropy.numel())
+    log_ratio = (old_logprobs - mb.rollout_logprobs).clamp(-20, 20)
+    return {
+        "actor/entropy": (entropy.sum().item(), tokens),
+        "rollout/mismatch_kl": (losses.kl_estimate(mb.rollout_logprobs, old_logprobs, "k3").sum().item(), tokens),
+        "is/ratio_mean": (log_ratio.exp().sum().item(), tokens),
+        "is/ratio_max": (log_ratio.exp().max().item() if tokens else 0.0, 1.0),
+    }
+
+
+def aggregate(mb: MicroBatch, per_token_loss: torch.Tensor, mask: torch.Tensor, cfg, default_mode: str) -> torch.Tensor:
+    """losses.aggregate with the optimizer step's global counts (--algo.loss_agg_mode, or the
+    objective's default under "auto")."""
+    mode = default_mode if cfg.algo.loss_agg_mode == "auto" else cfg.algo.loss_agg_mode
+    return losses.aggregate(per_token_loss, mask, mode, global_tokens=mb.counts["tokens"],
+                            global_sequences=mb.counts["sequences"], max_len=mb.counts["max_len"])
+
+
+# ----------------------------------------------------------------------------------------
+# GRPO, GSPO: PPO-style clipped surrogates on group-relative advantages
+
+
+def prepare_advantages(rollouts: list, tokenizer, cfg) -> dict:
+    """GRPO advantages per sample (SPEC section 6): reward minus its group's mean (Dr. GRPO,
+    the SDPO runs' choice), or divided by the group's std with --algo.norm_adv_by_std."""
+    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+    advantages = losses.grpo_advantages(rewards, [r.row["uid"] for r in rollouts], norm_by_std=cfg.algo.norm_adv_by_std)
+    for r, a in zip(rollouts, advantages.tolist()):
+        r.advantage = a
+    return {}
+
+
+def clipped_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor, cfg,
+                 surrogate: str = "ppo"):
+    """The clipped surrogate of log-probs [N] (with gradient) against the old ones, times the
+    engine correction, aggregated: PPO-clip (token-mean) or GSPO (seq-mean-token-mean).
+    advantages: [B] or [B, R]."""
+    old = old_or_current(mb, logprobs)
+    mask = mb.response_mask
+    if surrogate == "gspo":
+        per_token, clipped = losses.gspo_loss(mb.matrix(logprobs), mb.matrix(old), advantages, mask,
+                                              cfg.algo.gspo_eps_low, cfg.algo.gspo_eps_high)
+        mode = "seq-mean-token-mean"
+    else:
+        per_token, clipped = losses.ppo_clip_loss(mb.matrix(logprobs), mb.matrix(old), advantages,
+                                                  cfg.algo.eps_low, cfg.algo.eps_high)
+        mode = "token-mean"
+    loss = aggregate(mb, per_token * engine_correction(mb, old, cfg), mask, cfg, mode)
+    stats = rollout_stats(mb, old, entropy)
+    stats["actor/pg_clipfrac"] = ((clipped.float() * mask).sum().item(), mask.sum().item())
+    return loss, stats
+
+
+def grpo_loss(mb: MicroBatch, models: Models, cfg):
+    """PPO-clip on GRPO advantages (DAPO's clip-higher: --algo.eps_high=0.28)."""
+    logprobs, entropy = forward(models.policy, mb.packed, logprob_head(mb.packed.targets, cfg.rollout.temperature))
+    return clipped_loss(mb, logprobs, entropy, mb.per_sequence(lambda r: r.advantage), cfg)
+
+
+def gspo_loss(mb: MicroBatch, models: Models, cfg):
+    """GSPO: the clipped ratio is the sequence's geometric-mean ratio (--algo.gspo_eps_*)."""
+    logprobs, entropy = forward(models.policy, mb.packed, logprob_head(mb.packed.targets, cfg.rollout.temperature))
+    return clipped_loss(mb, logprobs, entropy, mb.per_sequence(lambda r: r.advantage), cfg, surrogate="gspo")
+
+
+# ----------------------------------------------------------------------------------------
+# SDPO: distil the student towards the teacher shown a successful sibling and/or feedback
+
+
+def prepare_teacher_contexts(rollouts: list, tokenizer, cfg) -> dict:
+    """Each rollout's teacher input ids and self-distillation mask (sdpo.build_teacher_batch,
+    SPEC section 2), and per-group diagnostics: success with and without a successful
+    sibling (a sample's own success excluded), which say where the demonstration signal is."""
+    batch = sdpo.build_teacher_batch(tokenizer, [r.row for r in rollouts], [r.response_ids for r in rollouts],
+                                     [r.text for r in rollouts], [r.reward for r in rollouts],
+                                     [r.feedback for r in rollouts], cfg.sdpo)
+    for r, ids, mask, demo in zip(rollouts, batch.input_ids, batch.mask, batch.demo_index):
+        r.teacher_ids, r.sdpo_mask = ids, float(mask)
+        r.teacher_context = "demonstration" if demo is not None else ("feedback" if mask else "")
+    success = [r.reward >= cfg.sdpo.success_threshold for r in rollouts]
+    group_successes = {}
+    for r, s in zip(rollouts, success):
+        group_successes[r.row["uid"]] = group_successes.get(r.row["uid"], 0) + s
+    with_sibling = [group_successes[r.row["uid"]] - s > 0 for r, s in zip(rollouts, success)]
+    metrics = dict(batch.metrics)
+    for name, kind in (("with", True), ("without", False)):
+        chosen = [s for s, w in zip(success, with_sibling) if w == kind]
+        metrics[f"sdpo/samples_{name}_successful_sibling"] = len(chosen) / max(len(rollouts), 1)
+        if chosen:
+            metrics[f"sdpo/success_{name}_successful_sibling"] = sum(chosen) / len(chosen)
+    return metrics
+
+
+def prepare_hybrid(rollouts: list, tokenizer, cfg) -> dict:
+    prepare_advantages(rollouts, tokenizer, cfg)
+    return prepare_teacher_contexts(rollouts, tokenizer, cfg)
+
+
+def teacher_hidden_states(cfg, models: Models, rollouts: list, pad_id: int, device, world: int) -> torch.Tensor:
+    """Teacher hidden states [N, H'] at every response token of rollouts. Samples without
+    a teacher context (mask 0) get zeros instead of a forward: their loss is masked out.
+    Every rank calls this for each of its micro-batches, an idle rank with no rollouts."""
+    used = [r for r in rollouts if r.sdpo_mask > 0]
+    calls = torch.tensor([math.ceil(len(used) / cfg.sdpo.teacher_micro_batch)])
+    if world > 1:  # ranks differ in how many of their samples have a teacher context
+        dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+    share = cfg.sdpo.share_teacher_prefix and not cfg.model.gradient_checkpointing  # HF drops the KV cache under it
+    packer = data.pack_shared_prefix if share else data.pack
+    run_model = lambda model, seqs, lens, head: forward(model, packer(seqs, lens, pad_id, device), head)
+    teacher = models.teacher
+    hidden = teacher.hidden(models.policy, run_model, [r.teacher_ids for r in used], [len(r.response_ids) for r in used],
+                            cfg.sdpo.teacher_micro_batch, calls=int(calls), dummy_seq=[pad_id, pad_id])
+    if len(used) == len(rollouts):
+        return hidden
+    width = hidden.shape[-1] if len(used) else teacher.hidden_size(models.policy)
+    parts, start = [], 0
+    for r in rollouts:
+        if r.sdpo_mask > 0:
+            parts.append(hidden[start:start + len(r.response_ids)])
+            start += len(r.response_ids)
+        else:
+            parts.append(torch.zeros(len(r.response_ids), width, device=device,
+                                     dtype=hidden.dtype if len(used) else torch.float32))
+    return torch.cat(parts) if parts else torch.zeros(0, width, device=device)
+
+
+def teacher_hidden_for(mb: MicroBatch, models: Models, cfg) -> torch.Tensor:
+    t0 = time.perf_counter()
+    hidden = teacher_hidden_states(cfg, models, mb.rollouts, mb.pad_id, mb.device, mb.world)
+    mb.seconds["teacher"] = mb.seconds.get("teacher", 0.0) + time.perf_counter() - t0
+    return hidden
+
+
+def sdpo_head(mb: MicroBatch, models: Models, cfg, teacher_hidden: torch.Tensor):
+    """Head computing the per-token distillation loss [N] (SPEC section 3) from the student's
+    and teacher's hidden states, plus the student's detached token log-probs and entropy,
+    and the teacher's token log-probs and entropy (diagnostics)."""
+    sd, temperature, targets = cfg.sdpo, cfg.rollout.temperature, mb.packed.targets
+
+    def head(hidden, weight):
+        teacher_weight = models.teacher.head_weight(weight).to(hidden.dtype)
+        th = teacher_hidden.to(hidden.dtype)
+        current, entropy = losses.logprobs_and_entropy_from_hidden(hidden, weight, targets, temperature, sd.chunk_size)
+        teacher_lp, teacher_entropy = losses.logprobs_and_entropy_from_hidden(th, teacher_weight, targets, temperature,
+                                                                              sd.chunk_size)
+        if sd.distill == "topk" and sd.chunked:
+            loss = losses.sdpo_topk_loss_from_hidden(hidden, weight, th, teacher_weight, k=sd.topk, alpha=sd.alpha,
+                                                     add_tail=sd.add_tail, temperature=temperature,
+                                                     chunk_size=sd.chunk_size)
+        elif sd.distill in ("topk", "full"):
+            student_logits = hidden @ weight.T
+            with torch.no_grad():
+                teacher_logits = th @ teacher_weight.T
+            if sd.distill == "topk":
+                s, t, _ = losses.topk_with_tail(student_logits, teacher_logits, sd.topk, sd.add_tail,
+                                                temperature=temperature)
+            else:
+                s = (student_logits.float() / temperature).log_softmax(-1)
+                t = (teacher_logits.float() / temperature).log_softmax(-1)
+            loss = losses.sdpo_divergence(s, t, sd.alpha)
+        else:
+            loss = losses.sdpo_token_loss(losses.token_logprobs(hidden @ weight.T, targets, temperature), teacher_lp)
+        return loss, current, entropy, teacher_lp, teacher_entropy
+    return head
+
+
+def sdpo_loss(mb: MicroBatch, models: Models, cfg):
+    """Distillation towards the teacher's next-token distributions on the student's own
+    tokens, times the IS clip (several optimizer steps per batch) and the engine correction,
+    over the samples with a teacher context (token-mean)."""
+    teacher_hidden = teacher_hidden_for(mb, models, cfg)
+    loss, current, entropy, teacher_lp, teacher_entropy = forward(models.policy, mb.packed,
+                                                                  sdpo_head(mb, models, cfg, teacher_hidden))
+    old = old_or_current(mb, current)
+    mask = mb.matrix(torch.cat([torch.full((len(r.response_ids),), r.sdpo_mask, device=mb.device)
+                                for r in mb.rollouts]))
+    is_clip = losses.importance_weights(mb.matrix(current), mb.matrix(old), cfg.sdpo.is_clip)
+    per_token = mb.matrix(loss) * is_clip * engine_correction(mb, old, cfg)
+    stats = rollout_stats(mb, old, entropy)
+    stats["sdpo/divergence"] = ((mb.matrix(loss).detach() * mask).sum().item(), mask.sum().item())
+    stats.update(teacher_diagnostics(mb, mask, current, entropy, teacher_lp, teacher_entropy))
+    return aggregate(mb, per_token, mask, cfg, "token-mean"), stats
+
+
+def teacher_diagnostics(mb: MicroBatch, mask, student_lp, student_entropy, teacher_lp, teacher_entropy) -> dict:
+    """What tells a researcher early whether the teacher knows more than the student:
+    teacher-minus-student entropy (a teacher flatter than its student pulls it towards
+    noise) and teacher-minus-student log-prob of the sampled tokens, split by the kind of
+    teacher context (a demonstration from a successful sibling, or feedback only)."""
+    entropy_gap = mb.matrix(teacher_entropy - student_entropy) * mask
+    logprob_gap = mb.matrix(teacher_lp - student_lp) * mask
+    stats = {"sdpo/teacher_entropy": ((mb.matrix(teacher_entropy) * mask).sum().item(), mask.sum().item()),
+             "sdpo/teacher_minus_student_entropy": (entropy_gap.sum().item(), mask.sum().item())}
+    for kind, name in (("demonstration", "demo"), ("feedback", "feedback")):
+        rows = mb.per_sequence(lambda r: r.teacher_context == kind)[:, None] * mask
+        stats[f"sdpo/teacher_minus_student_logprob_{name}"] = ((logprob_gap * rows).sum().item(), rows.sum().item())
+    return stats
+
+
+def hybrid_loss(mb: MicroBatch, models: Models, cfg):
+    """PPO-clip on A = λ·A_GRPO + (1−λ)·(T_tok − S_tok) (paper section 4.5), the SDPO term
+    only where the sample has a teacher context (0 elsewhere)."""
+    teacher_hidden = teacher_hidden_for(mb, models, cfg)
+    targets, temperature = mb.packed.targets, cfg.rollout.temperature
+
+    def head(hidden, weight):
+        logprobs, entropy = logprob_head(targets, temperature)(hidden, weight)
+        teacher_weight = models.teacher.head_weight(weight).to(hidden.dtype)
+        teacher_lp, _ = losses.logprobs_and_entropy_from_hidden(teacher_hidden.to(hidden.dtype), teacher_weight,
+                                                                targets, temperature, cfg.sdpo.chunk_size)
+        return logprobs, entropy, teacher_lp
+
+    logprobs, entropy, teacher_lp = forward(models.policy, mb.packed, head)
+    current = mb.matrix(logprobs.detach())
+    has_teacher = mb.per_sequence(lambda r: r.sdpo_mask > 0)[:, None] > 0
+    teacher_lp = torch.where(has_teacher, mb.matrix(teacher_lp), current)
+    advantages = losses.hybrid_advantages(mb.per_sequence(lambda r: r.advantage), teacher_lp, current, cfg.algo.lam)
+    return clipped_loss(mb, logprobs, entropy, advantages, cfg)
+
+
+# ----------------------------------------------------------------------------------------
+# SFT: the rows' reference responses (`--algo sft`, and the tiny model's warm start)
+
+
+def sft_loss(mb: MicroBatch, models: Models, cfg):
+    """Negative log-likelihood of the reference tokens at temperature 1, token-mean."""
+    logprobs, entropy = forward(models.policy, mb.packed, logprob_head(mb.packed.targets, 1.0))
+    loss = aggregate(mb, -mb.matrix(logprobs), mb.response_mask, cfg, "token-mean")
+    return loss, {"actor/entropy": (entropy.sum().item(), float(entropy.numel()))}
+
+
+# ----------------------------------------------------------------------------------------
+# The table
+
+
+@dataclass(frozen=True)
+class Objective:
+    loss: Callable  # (micro-batch, models, cfg) -> (loss, {metric: (sum, count)})
+    prepare: Callable = lambda rollouts, tokenizer, cfg: {}  # rank 0, after scoring -> metrics
+    # every rank, on the shared rollouts, before the update (old log-probs are the loop's):
+    # (rollouts, models, cfg, pad_id, dist) -> metrics
+    before_update: Callable = lambda rollouts, models, cfg, pad_id, d: {}
+    counted: Callable = lambda rollout: True  # counts in the loss's normalisation
+    keep_prompts_together: bool = False  # True: a prompt's samples always share a micro-batch
+    models: tuple = ()  # optional models: "teacher", "reference", "discriminator"
+    references: bool = False  # train on the rows' references instead of generating
+
+
+OBJECTIVES = {
+    "sdpo": Objective(loss=sdpo_loss, prepare=prepare_teacher_contexts, counted=lambda r: r.sdpo_mask > 0,
+                      models=("teacher",)),
+    "grpo": Objective(loss=grpo_loss, prepare=prepare_advantages),
+    "gspo": Objective(loss=gspo_loss, prepare=prepare_advantages),
+    "hybrid": Objective(loss=hybrid_loss, prepare=prepare_hybrid, models=("teacher",)),
+    "sft": Objective(loss=sft_loss, references=True),
+}
