@@ -40,7 +40,7 @@ class TaskConfig:
     strops_shown: int = 2  # examples shown in the prompt
     strops_hidden: int = 2  # extra test cases only the checker sees
     strops_alphabet: str = "abcdefgh"
-    quiz_questions: int = 4  # questions per quiz; all must be right
+    quiz_questions: int = 3  # questions per quiz; all must be right (3 answer lines fit --rollout.max_tokens 32)
     quiz_max: int = 9  # operands drawn from 2..quiz_max
     quiz_ops: str = "+*"  # operators drawn from (+ - *)
     heldout_percent: int = 10  # share of the content hash space that is held out

@@ -400,13 +400,13 @@ def test_quiz_results_are_correct_and_only_the_questions_are_shown():
     ops_seen = set()
     for row in rows:
         questions = row["messages"][0]["content"].split("\n")
-        assert questions[-1] == data.QUIZ_INSTRUCTION and len(questions) == 5
+        assert questions[-1] == data.QUIZ_INSTRUCTION and len(questions) == 4
         assert [t["input"] for t in row["tests"]] == questions[:-1]
         for t in row["tests"]:
             assert t["output"] == str(_quiz_value(t["input"])) and int(t["output"]) >= 0
             ops_seen.add(QUIZ_LINE.match(t["input"]).group(2))
         assert row["reference"] == "\n".join(f"{t['input']}={t['output']}" for t in row["tests"])
-        assert [q[0] for q in questions[:-1]] == ["a", "b", "c", "d"]
+        assert [q[0] for q in questions[:-1]] == ["a", "b", "c"]
         assert row["reward"] == "quiz" and row["uid"] == "quiz:" + ",".join(questions[:-1])
     assert ops_seen == {"+", "-", "*"}
 
@@ -414,7 +414,7 @@ def test_quiz_results_are_correct_and_only_the_questions_are_shown():
 def test_quiz_knobs_change_the_rows():
     operands = lambda rows: {int(x) for r in rows for t in r["tests"] for x in QUIZ_LINE.match(t["input"]).group(1, 3)}
     default = data.task_rows("quiz", "train", 100)
-    assert operands(default) == set(range(2, 10)) and {len(r["tests"]) for r in default} == {4}
+    assert operands(default) == set(range(2, 10)) and {len(r["tests"]) for r in default} == {3}
     assert {QUIZ_LINE.match(t["input"]).group(2) for r in default for t in r["tests"]} == {"+", "*"}
     wide = data.task_rows("quiz", "train", 100, cfg=TaskConfig(quiz_max=20, quiz_questions=6, quiz_ops="*"))
     assert operands(wide) == set(range(2, 21)) and {len(r["tests"]) for r in wide} == {6}
@@ -448,7 +448,8 @@ def test_wrong_quiz_responses_are_slips_on_some_lines():
         wrong_lines.append(sum(d != 0 for d in diffs))
         a_times_b = [t["input"] for t in row["tests"]]
         assert all(d == 0 or abs(d) <= 9 for d in diffs), (a_times_b, diffs)  # off by a little, or one table entry
-    assert min(wrong_lines) == 1 and max(wrong_lines) == 4 and 1.5 < sum(wrong_lines) / len(wrong_lines) < 2.8
+    # each line wrong with probability 1/3, given at least one of 3 is: 1 / (1 - (2/3)^3) = 27/19 wrong lines
+    assert min(wrong_lines) == 1 and max(wrong_lines) == 3 and abs(sum(wrong_lines) / len(wrong_lines) - 27 / 19) < 0.15
 
 
 # -----------------------------------------------------------------------------
