@@ -349,6 +349,16 @@ def test_prepare_rollouts_scores_advantages_and_teacher_contexts(tokenizer):
     assert metrics["reward/success_rate"] == pytest.approx(sum(r.reward >= 0.5 for r in rollouts) / 6)
 
 
+def test_lr_factor_warms_up_then_stays_or_decays_to_zero():
+    flat = run.parse_config(["--optim.warmup_steps=4", "--train.steps=10", "--train.mini_batches=2"])
+    assert [run.lr_factor(flat, s) for s in (0, 1, 3, 19)] == [0.25, 0.5, 1.0, 1.0]
+    linear = run.parse_config(["--optim.warmup_steps=4", "--train.steps=10", "--train.mini_batches=2",
+                               "--optim.decay=linear"])
+    # 20 optimizer steps: warmup times (1 - s/20); the last step (s = 19) runs at 1/20 of the lr
+    expected = [0.25 * 1.0, 0.5 * 0.95, 1.0 * 0.85, 1.0 * 0.5, 1.0 * 0.05]
+    assert [run.lr_factor(linear, s) for s in (0, 1, 3, 10, 19)] == pytest.approx(expected)
+
+
 def test_success_stderr_is_the_spread_of_per_row_success():
     cfg = run.parse_config([])
     rollout = lambda reward: run.Rollout(row={}, prompt_ids=[], response_ids=[], rollout_logprobs=[], text="",
