@@ -18,10 +18,13 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
+import string
 import tempfile
 from dataclasses import dataclass
 
+from feedback.quiz import QUIZ_OPS
 from feedback.strops import OPS, run_program
 
 # ----------------------------------------------------------------------------------------
@@ -44,10 +47,14 @@ class TaskConfig:
     shapes_questions: str = "count,colour,position"  # question kinds drawn from
     shapes_colours: str = "red,green,blue,yellow"
     shapes_image_size: int = 112  # pixels a side (112: 16 image tokens for Qwen2-VL's 28-pixel units)
+    quiz_questions: int = 3  # questions per quiz; all must be right (3 answer lines fit --rollout.max_tokens 32)
+    quiz_max: int = 9  # operands drawn from 2..quiz_max
+    quiz_ops: str = "+*"  # operators drawn from (+ - *)
     heldout_percent: int = 10  # share of the content hash space that is held out
 
 
 ARITH_INSTRUCTION = "Give the final answer as 'Answer: <number>'."
+QUIZ_INSTRUCTION = "Solve each line in order, one per line: 'label:question=result'."
 # The valid ops are named in the prompt: a model not trained on the task cannot guess them.
 STROPS_INSTRUCTION = ("Write the program that maps each input to its output, using the ops "
                       + ", ".join(OPS) + ". Reply with 'Program: op | op'.")
@@ -165,13 +172,35 @@ def _shapes_row(rng: random.Random, cfg: TaskConfig) -> dict:
     }
 
 
-TASKS = {"arith": _arith_row, "strops": _strops_row, "shapes": _shapes_row}
-TEXT_TASKS = ("arith", "strops")
+def _quiz_row(rng: random.Random, cfg: TaskConfig) -> dict:
+    if not 1 <= cfg.quiz_questions <= 26:
+        raise ValueError(f"--data.quiz_questions={cfg.quiz_questions}: questions are labelled a-z, so 1 to 26")
+    questions = []
+    for label in string.ascii_lowercase[:cfg.quiz_questions]:
+        a, b, op = rng.randint(2, cfg.quiz_max), rng.randint(2, cfg.quiz_max), rng.choice(cfg.quiz_ops)
+        a, b = (max(a, b), min(a, b)) if op == "-" else (a, b)  # results stay non-negative
+        # The label lets a small model find its place: it copies the line after "c:" (induction).
+        questions.append({"input": f"{label}:{a}{op}{b}", "output": str(QUIZ_OPS[op](a, b))})
+    shown = "\n".join(q["input"] for q in questions)
+    return {
+        "uid": "quiz:" + ",".join(q["input"] for q in questions),
+        "messages": [{"role": "user", "content": f"{shown}\n{QUIZ_INSTRUCTION}"}],
+        "answer": ", ".join(q["output"] for q in questions),
+        "tests": questions,
+        "reference": "\n".join(f"{q['input']}={q['output']}" for q in questions),
+        "reward": "quiz",
+    }
+
+
+TASKS = {"arith": _arith_row, "strops": _strops_row, "quiz": _quiz_row, "shapes": _shapes_row}
+TEXT_TASKS = ("arith", "strops", "quiz")
 IMAGE_TASKS = ("shapes",)  # their default model is the tiny vision-language one
 
 
 def wrong_response(row: dict, rng: random.Random) -> str | None:
     """A plausible wrong answer to a synthetic row (for warm-start examples with feedback)."""
+    if row["reward"] == "quiz":
+        return _wrong_quiz_answers(row, rng)
     if row["reward"] == "strops":
         while True:
             program = " | ".join(rng.choice(sorted(OPS)) for _ in range(rng.randint(1, 2)))
@@ -187,6 +216,24 @@ def wrong_response(row: dict, rng: random.Random) -> str | None:
         wrong = int(row["answer"]) + rng.choice([-10, -2, -1, 1, 2, 10])
         return f"Answer: {wrong}"
     return None
+
+
+def _wrong_quiz_answers(row: dict, rng: random.Random) -> str:
+    """Each result wrong with probability 1/3 (at least one), by a slip a model makes: off by
+    one or two, or a neighbouring table entry (7*8 answered as 7*7 or 7*9)."""
+    tests = row["tests"]
+    wrong = [rng.random() < 1 / 3 for _ in tests]
+    if not any(wrong):
+        wrong[rng.randrange(len(tests))] = True
+    answers = []
+    for t, w in zip(tests, wrong):
+        value = int(t["output"])
+        if w:
+            a, op, b = re.search(r"(\d+)([-+*])(\d+)$", t["input"]).groups()
+            slips = [value + d for d in (-2, -1, 1, 2)] + [QUIZ_OPS[op](int(a), int(b) + d) for d in (-1, 1)]
+            value = rng.choice([s for s in slips if s != value and s >= 0] or [value + 1])
+        answers.append(f"{t['input']}={value}")
+    return "\n".join(answers)
 
 
 def task_rows(task: str, split: str, n: int, seed: int = 0, cfg: TaskConfig | None = None) -> list[dict]:
@@ -679,7 +726,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TINY_RECIPE_VERSION = 2  # bump when the code below (or the task text it trains the tokenizer on) changes
+TINY_RECIPE_VERSION = 3  # bump when the code below (or the task text it trains the tokenizer on) changes
 
 
 @dataclass
@@ -697,20 +744,24 @@ def _tokenizer_corpus(seed: int) -> list[str]:
     """Text the tokenizer is trained on: prompts and answers of both tasks, and the SDPO
     reprompt and feedback vocabulary, so that teacher contexts tokenise compactly."""
     texts = []
-    corpus_tasks = TaskConfig(strops_max_ops=2)  # fixed: the tokenizer must not move with the task defaults
-    for task in TEXT_TASKS:  # fixed too: a new task must not change the text model's tokenizer
+    # fixed: the tokenizer must not move with the task defaults (a new text task bumps the recipe)
+    corpus_tasks = TaskConfig(strops_max_ops=2, quiz_ops="+-*", quiz_max=12)
+    for task in TEXT_TASKS:
         for split in ("train", "test"):
             for row in task_rows(task, split, 300 if split == "train" else 30, seed=seed, cfg=corpus_tasks):
                 texts += [m["content"] for m in row["messages"]] + [row["reference"]]
     texts += ["<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_start|>system\n"] * 50
+    # Repeated so that BPE merges them: a teacher context spelled letter by letter is twice as long.
     texts += [
         "Correct solution:", "Correctly solve the original question.",
         "The following is feedback from your unsuccessful earlier attempt:",
-        "Your previous response was too long and truncated. Try again with a shorter response.",
-        "Your answer is incorrect.", "Input:", "Output:", "Expected:", "Unknown op", "Valid ops are:",
-        "Wrong answer", "Time limit exceeded", "Runtime error", "Format error",
+        "Your previous response was too long and truncated before it finished, so no final answer could be "
+        "graded. Try again with a shorter response.",
+        "Your answer is incorrect.", "Input:", "Output:", "Expected:", "Unknown op", "Valid ops:",
+        "Wrong Answer: 2 of 4 tests failed.", "Time limit exceeded", "Runtime error", "Format Error:",
+        "Wrong Answer: 2 of 4 results are wrong.", "is right.", "is not",
         " ".join(sorted(OPS)),
-    ]
+    ] * 20
     return texts
 
 
@@ -812,7 +863,7 @@ VLM_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-TINY_VLM_RECIPE_VERSION = 1  # bump when the code below changes what it builds
+TINY_VLM_RECIPE_VERSION = 2  # bump when the code below (or _tokenizer_corpus) changes what it builds
 
 
 @dataclass

@@ -121,6 +121,7 @@ class SdpoArgs(sdpo.SdpoConfig):
 class OptimConfig:
     lr: float = 1e-4  # the paper's 1e-5 is for 8B models; the tiny model needs more
     warmup_steps: int = 2
+    decay: Literal["none", "linear"] = "none"  # linear: to 0 at train.steps (the warm start always decays)
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     beta1: float = 0.9
@@ -368,11 +369,13 @@ def reward_function(cfg: Config, row: dict):
 
 
 def evaluate(engine, tokenizer, rows, cfg: Config, seed: int) -> dict:
-    """avg@k success, mean response length and truncation rate on held-out rows."""
+    """avg@k success and its standard error, mean response length and truncation rate on
+    held-out rows."""
     rollouts = generate_and_score(engine, tokenizer, rows, cfg, seed, cfg.rollout.eval_k, cfg.rollout.eval_temperature)
     n = max(len(rollouts), 1)
     return {
         "eval/success_rate": success_rate(rollouts, cfg),
+        "eval/success_stderr": success_stderr(rollouts, cfg.rollout.eval_k, cfg),
         "eval/reward_mean": sum(r.reward for r in rollouts) / n,
         "eval/response_length": sum(len(r.response_ids) for r in rollouts) / n,
         "eval/truncated_frac": sum(r.truncated for r in rollouts) / n,
@@ -460,6 +463,16 @@ def context_entropies(engine, tokenizer, rows, cfg: Config, seed: int, model_dir
 
 def success_rate(rollouts, cfg: Config) -> float:
     return sum(r.reward >= cfg.sdpo.success_threshold for r in rollouts) / max(len(rollouts), 1)
+
+
+def success_stderr(rollouts, k: int, cfg: Config) -> float:
+    """Standard error of avg@k success over rows: the rows are the independent draws (a row's
+    k samples are not), so it is the spread of per-row success over the square root of the rows."""
+    rows = [success_rate(rollouts[i:i + k], cfg) for i in range(0, len(rollouts), k)]
+    if len(rows) < 2:
+        return float("nan")
+    mean = sum(rows) / len(rows)
+    return math.sqrt(sum((s - mean) ** 2 for s in rows) / (len(rows) - 1) / len(rows))
 
 
 def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
@@ -987,13 +1000,22 @@ def build_trainer(cfg: Config, objective, model_dir: str, d: Dist) -> Trainer:
     policy = load_policy(model_dir, cfg, d.world, d.device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr,
                                   betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / max(cfg.optim.warmup_steps, 1)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
     models = Models(policy)
     if "teacher" in objective.models:
         copy = load_policy(model_dir, cfg, d.world, d.device) if cfg.sdpo.teacher != "live" else None
         models.teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate, copy)
     return Trainer(models, optimizer, scheduler)
+
+
+def lr_factor(cfg: Config, step: int) -> float:
+    """The learning rate's multiplier at optimizer step `step` (0-based): linear warmup, then
+    constant or a linear decay that reaches 0 after the last of train.steps x mini_batches."""
+    warmup = min(1.0, (step + 1) / max(cfg.optim.warmup_steps, 1))
+    if cfg.optim.decay == "none":
+        return warmup
+    total = cfg.train.steps * cfg.train.mini_batches
+    return warmup * max(0.0, 1.0 - step / total)
 
 
 def sync_engine(cfg: Config, engine, policy, tokenizer, d: Dist, version: int) -> dict:
@@ -1324,7 +1346,8 @@ def resolve_model(cfg: Config, d: Dist) -> str:
                          if f.name.startswith("warm_start")})
     warm = dataclasses.replace(
         cfg, algo=AlgoConfig(name="sft"), rollout=RolloutConfig(),
-        optim=dataclasses.replace(cfg.optim, lr=cfg.train.warm_start_lr),
+        # decayed to 0: the warm start's last weights are all that is kept
+        optim=dataclasses.replace(cfg.optim, lr=cfg.train.warm_start_lr, decay="linear"),
         train=dataclasses.replace(cfg.train, **warm_train), log=dataclasses.replace(cfg.log, wandb_mode="disabled"),
         eval_only=False, ttt_prompts=0)  # those modes are for the RL run, not its warm start
     templates = {k: getattr(cfg.sdpo, k) for k in ("reprompt_template", "solution_template", "feedback_template",

@@ -1,8 +1,8 @@
 """Sample efficiency: SDPO against GRPO at equal generation budgets, several seeds.
 
-    python bench/learning.py [--tasks strops,arith] [--seeds 3] [--steps 30] [--eval_every 5]
+    python bench/learning.py [--tasks quiz,strops,arith] [--seeds 3] [--steps 40] [--eval_every 10]
                              [--out runs/bench-learning] [--launcher "torchrun --nproc_per_node=4"]
-                             [extra run.py flags, e.g. --model.path=/models/qwen3-8b --data.task=...]
+                             [extra run.py flags, e.g. --model.path=/models/qwen3-8b --data.quiz_max=12]
 
 For each task, both algorithms and every seed start from the same checkpoint: the tiny
 model's cached warm start (built here once per task), or --model.path. Each run is a plain
@@ -11,12 +11,21 @@ user would get. Eval success (avg@k on held-out rows, run.py's eval/success_rate
 against generations consumed (steps x prompts per step x n).
 
 Writes into --out: learning_<task>.png (mean and min-max band over seeds), learning.md (the
-table), runs/ (every run's metrics.jsonl), and prints per task
+tables), runs/ (every run's metrics.jsonl), and prints per task
 
-    RESULT task=... grpo_final=... sdpo_final=... sdpo_gens_to_match_grpo_final_ratio=...
+    RESULT task=... grpo_final=... sdpo_final=... sdpo_gens_to_match_grpo_final_ratio=... \
+        grpo_final_spread=... sdpo_final_spread=...
 
 The ratio is the generations SDPO's mean curve needs to reach GRPO's mean final eval success
-(linear interpolation between eval points) over GRPO's total; "inf" if it never does.
+(linear interpolation between eval points) over GRPO's total; "inf" if it never does. A
+spread is max - min of the final eval success over seeds.
+
+The second table explains a result: per algorithm, over the first and the last quarter of
+the steps (mean over seeds), the training batches' success, their groups with a success, the success of
+samples with and without a successful sibling, SDPO's teacher coverage, and how much more
+the teacher likes the sampled tokens than the student (T - S log-prob, per token) where its
+context holds a demonstration and where it holds only feedback (the loop's sdpo/* metrics;
+SDPO's runs log them, GRPO's have no teacher).
 """
 import argparse
 import json
@@ -30,6 +39,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 ALGOS = ("grpo", "sdpo")
+DIAGNOSTICS = {"reward/success_rate": "training success",
+               "sdpo/groups_with_success": "groups with a success",
+               "sdpo/success_with_successful_sibling": "success, with a successful sibling",
+               "sdpo/success_without_successful_sibling": "success, without",
+               "sdpo/teacher_coverage": "teacher coverage",
+               "sdpo/teacher_minus_student_logprob_demo": "T - S, demonstration",
+               "sdpo/teacher_minus_student_logprob_feedback": "T - S, feedback only"}
 
 
 def warm_start(flags: list[str]) -> str:
@@ -74,6 +90,25 @@ def mean_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[int, float, 
     return out
 
 
+def diagnostics(runs: list[list[dict]]) -> dict:
+    """{metric: (mean over the first quarter of steps, over the last)}, averaged over runs,
+    for the DIAGNOSTICS metrics the runs logged."""
+    out = {}
+    for key in DIAGNOSTICS:
+        halves = []
+        for part in (0, 1):
+            values = []
+            for records in runs:
+                steps = [r for r in records if key in r]
+                quarter = max(len(steps) // 4, 1)
+                chosen = steps[:quarter] if part == 0 else steps[-quarter:]
+                values += [r[key] for r in chosen]
+            halves.append(sum(values) / len(values) if values else None)
+        if halves[0] is not None:
+            out[key] = tuple(halves)
+    return out
+
+
 def plot(path: str, task: str, summary: dict):
     import matplotlib
     matplotlib.use("Agg")
@@ -106,6 +141,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
     table = ["| task | algo | held-out success at N generations: mean [min, max] over seeds |", "|---|---|---|"]
+    diag_table = ["| task | algo | " + " | ".join(DIAGNOSTICS.values()) + " |", "|---|---|" + "---|" * len(DIAGNOSTICS)]
     results = []
     for task in args.tasks.split(","):
         task_flags = [f"--data.task={task}"] + extra
@@ -114,14 +150,15 @@ def main():
         import run
         cfg = run.parse_config(task_flags)
         gens_per_step = cfg.train.prompts_per_step * cfg.rollout.n
-        curves = {}
+        curves, records_of = {}, {}
         for algo in ALGOS:
-            curves[algo] = []
+            curves[algo], records_of[algo] = [], []
             for seed in range(args.seeds):
                 flags = task_flags + [f"--model.path={start}", f"--algo={algo}", f"--train.seed={seed}",
                                       f"--train.steps={args.steps}", f"--train.eval_every={args.eval_every}"]
                 t0 = time.time()
                 records = run_one(launcher, flags, os.path.join(args.out, "runs", f"{name}-{algo}-seed{seed}"))
+                records_of[algo].append(records)
                 curves[algo].append(curve(records, gens_per_step))
                 print(f"{name} {algo} seed {seed}: {[round(s, 3) for _, s in curves[algo][-1]]} "
                       f"({time.time() - t0:.0f}s)", flush=True)
@@ -130,13 +167,22 @@ def main():
         for algo, points in summary.items():
             cells = ", ".join(f"{g}: {m:.3f} [{lo:.3f}, {hi:.3f}]" for g, m, lo, hi in points)
             table.append(f"| {name} | {algo} | {cells} |")
-        grpo_final, sdpo_final = summary["grpo"][-1][1], summary["sdpo"][-1][1]
+        for algo in ALGOS:
+            found = diagnostics(records_of[algo])
+            cells = [f"{found[k][0]:.3f} -> {found[k][1]:.3f}" if k in found else "" for k in DIAGNOSTICS]
+            diag_table.append(f"| {name} | {algo} | " + " | ".join(cells) + " |")
+        (_, grpo_final, grpo_lo, grpo_hi), (_, sdpo_final, sdpo_lo, sdpo_hi) = summary["grpo"][-1], summary["sdpo"][-1]
         ratio = gens_to_reach([(g, m) for g, m, _, _ in summary["sdpo"]], grpo_final) / summary["grpo"][-1][0]
         results.append(f"RESULT task={name} grpo_final={grpo_final:.3f} sdpo_final={sdpo_final:.3f} "
-                       f"sdpo_gens_to_match_grpo_final_ratio={ratio:.3f}")
+                       f"sdpo_gens_to_match_grpo_final_ratio={ratio:.3f} "
+                       f"grpo_final_spread={grpo_hi - grpo_lo:.3f} sdpo_final_spread={sdpo_hi - sdpo_lo:.3f}")
+    diag_note = "Per-group diagnostics of the training batches, first quarter of the steps -> last quarter:"
     with open(os.path.join(args.out, "learning.md"), "w") as f:
-        f.write("\n".join(table) + "\n\n" + "\n".join(results) + "\n")
+        f.write("\n".join(table) + "\n\n" + diag_note + "\n\n" + "\n".join(diag_table) + "\n\n"
+                + "\n".join(results) + "\n")
     print("\n".join(table))
+    print(diag_note)
+    print("\n".join(diag_table))
     print(f"total {time.time() - t_start:.0f}s")
     print("\n".join(results))
 

@@ -164,7 +164,7 @@ def _uids(rows):
     return [r["uid"] for r in rows]
 
 
-@pytest.mark.parametrize("task", ["arith", "strops"])
+@pytest.mark.parametrize("task", ["arith", "strops", "quiz"])
 def test_train_and_test_rows_are_disjoint(task):
     test = data.task_rows(task, "test", 30)
     test_uids = set(_uids(test))
@@ -180,7 +180,7 @@ def test_train_and_test_rows_are_disjoint(task):
         assert row["messages"][-1]["role"] == "user"
 
 
-@pytest.mark.parametrize("task", ["arith", "strops"])
+@pytest.mark.parametrize("task", ["arith", "strops", "quiz"])
 def test_rows_are_deterministic_and_stable_across_n(task):
     assert data.task_rows(task, "train", 20) == data.task_rows(task, "train", 20)
     assert data.task_rows(task, "train", 10)[:5] == data.task_rows(task, "train", 5)
@@ -190,7 +190,7 @@ def test_rows_are_deterministic_and_stable_across_n(task):
     assert data.task_rows(task, "test", 10, seed=7) == data.task_rows(task, "test", 10, seed=0)
 
 
-@pytest.mark.parametrize("task", ["arith", "strops"])
+@pytest.mark.parametrize("task", ["arith", "strops", "quiz"])
 def test_split_of_a_row_never_depends_on_n_or_seed(task):
     # Collect which split each uid landed in, over many (n, seed) draws: no uid is ever in both.
     split_of = {}
@@ -206,6 +206,7 @@ def test_split_of_a_row_never_depends_on_n_or_seed(task):
 @pytest.mark.parametrize("task,cfg", [
     ("arith", TaskConfig()),
     ("strops", TaskConfig(strops_max_ops=1, strops_str_len=3, strops_alphabet="abc", strops_hidden=0)),
+    ("quiz", TaskConfig(quiz_questions=2, quiz_max=5)),
 ])
 def test_uid_identifies_the_question(task, cfg):
     # across seeds and splits, one uid always means one question (and for arithmetic, where no
@@ -216,7 +217,7 @@ def test_uid_identifies_the_question(task, cfg):
     for row in rows:
         key = (json.dumps(row["messages"]), json.dumps(row["tests"]), row["answer"])
         assert by_uid.setdefault(row["uid"], key) == key, row["uid"]
-        if task == "arith":
+        if task in ("arith", "quiz"):
             assert by_prompt.setdefault(key, row["uid"]) == row["uid"], key
     assert len(by_uid) < len(rows)  # the seeds drew some rows twice: the checks compared something
 
@@ -366,7 +367,7 @@ def test_strops_knobs_change_the_rows():
     assert all(len(r["tests"]) == 7 for r in more_tests)
 
 
-@pytest.mark.parametrize("task", ["arith", "strops"])
+@pytest.mark.parametrize("task", ["arith", "strops", "quiz"])
 def test_the_reference_response_scores_full_reward(task):
     rows = data.task_rows(task, "train", 100) + data.task_rows(task, "test", 20)
     for row in rows:
@@ -377,10 +378,78 @@ def test_the_reference_response_scores_full_reward(task):
     fn = feedback.get_reward_fn(row["reward"])
     if task == "arith":
         wrong = f"Answer: {int(row['answer']) + 1}"
+    elif task == "quiz":
+        wrong = row["reference"] + "0"  # the last result times ten
     else:
         wrong = "Program: " + " | ".join(["double"] * 3)
         row = {**row, "tests": [{"input": "ab", "output": "ab"}]}  # 'double' three times never maps ab to ab
     assert fn(wrong, row, False).score == 0.0
+
+
+QUIZ_LINE = re.compile(r"^[a-z]:(\d+)([-+*])(\d+)$")
+
+
+def _quiz_value(question):
+    a, op, b = QUIZ_LINE.match(question).groups()
+    a, b = int(a), int(b)
+    return {"+": a + b, "-": a - b, "*": a * b}[op]
+
+
+def test_quiz_results_are_correct_and_only_the_questions_are_shown():
+    rows = data.task_rows("quiz", "train", 200, cfg=TaskConfig(quiz_ops="+-*")) + data.task_rows("quiz", "test", 20)
+    ops_seen = set()
+    for row in rows:
+        questions = row["messages"][0]["content"].split("\n")
+        assert questions[-1] == data.QUIZ_INSTRUCTION and len(questions) == 4
+        assert [t["input"] for t in row["tests"]] == questions[:-1]
+        for t in row["tests"]:
+            assert t["output"] == str(_quiz_value(t["input"])) and int(t["output"]) >= 0
+            ops_seen.add(QUIZ_LINE.match(t["input"]).group(2))
+        assert row["reference"] == "\n".join(f"{t['input']}={t['output']}" for t in row["tests"])
+        assert [q[0] for q in questions[:-1]] == ["a", "b", "c"]
+        assert row["reward"] == "quiz" and row["uid"] == "quiz:" + ",".join(questions[:-1])
+    assert ops_seen == {"+", "-", "*"}
+
+
+def test_quiz_knobs_change_the_rows():
+    operands = lambda rows: {int(x) for r in rows for t in r["tests"] for x in QUIZ_LINE.match(t["input"]).group(1, 3)}
+    default = data.task_rows("quiz", "train", 100)
+    assert operands(default) == set(range(2, 10)) and {len(r["tests"]) for r in default} == {3}
+    assert {QUIZ_LINE.match(t["input"]).group(2) for r in default for t in r["tests"]} == {"+", "*"}
+    wide = data.task_rows("quiz", "train", 100, cfg=TaskConfig(quiz_max=20, quiz_questions=6, quiz_ops="*"))
+    assert operands(wide) == set(range(2, 21)) and {len(r["tests"]) for r in wide} == {6}
+    assert {QUIZ_LINE.match(t["input"]).group(2) for r in wide for t in r["tests"]} == {"*"}
+    with pytest.raises(ValueError, match="labelled a-z"):
+        data.task_rows("quiz", "train", 1, cfg=TaskConfig(quiz_questions=27))
+
+
+@pytest.mark.parametrize("task", ["arith", "strops", "quiz"])
+def test_wrong_responses_fail_with_feedback(task):
+    """What the warm start and the teacher gap show as a failed attempt really fails, and its
+    feedback never holds the reference answer."""
+    import random
+    rng = random.Random(0)
+    for row in data.task_rows(task, "train", 100):
+        wrong = data.wrong_response(row, rng)
+        reward = feedback.get_reward_fn(row["reward"])(wrong, row, False)
+        assert reward.score == 0.0, (row["uid"], wrong)
+        assert row["reference"] not in reward.feedback
+        if task != "arith":  # the math reward says nothing about a well-formed wrong number
+            assert reward.feedback
+
+
+def test_wrong_quiz_responses_are_slips_on_some_lines():
+    import random
+    rng, wrong_lines = random.Random(1), []
+    for row in data.task_rows("quiz", "train", 200):
+        lines = data.wrong_response(row, rng).split("\n")
+        assert [ln.split("=")[0] for ln in lines] == [t["input"] for t in row["tests"]]
+        diffs = [int(ln.split("=")[1]) - int(t["output"]) for ln, t in zip(lines, row["tests"])]
+        wrong_lines.append(sum(d != 0 for d in diffs))
+        a_times_b = [t["input"] for t in row["tests"]]
+        assert all(d == 0 or abs(d) <= 9 for d in diffs), (a_times_b, diffs)  # off by a little, or one table entry
+    # each line wrong with probability 1/3, given at least one of 3 is: 1 / (1 - (2/3)^3) = 27/19 wrong lines
+    assert min(wrong_lines) == 1 and max(wrong_lines) == 3 and abs(sum(wrong_lines) / len(wrong_lines) - 27 / 19) < 0.15
 
 
 # -----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from feedback import (TRUNCATION_FEEDBACK, Reward, cut, get_reward_fn, io_fields
 from feedback.math import FORMAT_FEEDBACK as MATH_FORMAT_FEEDBACK
 from feedback.math import extract_answer, math_reward, normalize
 from feedback.mc import extract_choice, mc_reward
+from feedback.quiz import parse_results, quiz_reward
 from feedback.strops import OPS, extract_program, parse_program, run_program, strops_reward
 
 
@@ -208,6 +209,71 @@ def test_strops_round_trip(ops, inputs):
     row = _row([(s, run_program(program, s)) for s in inputs])
     assert run_program(parse_program(program), inputs[0]) == row["tests"][0]["output"]
     assert strops_reward(f"Let me see.\nProgram: {program}", row, False) == Reward(1.0)
+
+
+# -----------------------------------------------------------------------------
+# quiz
+
+QUIZ_ROW = {"uid": "q1", "tests": [{"input": "a:7+8", "output": "15"}, {"input": "b:3*4", "output": "12"},
+                                   {"input": "c:9-6", "output": "3"}]}
+
+
+def test_quiz_reward_marks_each_line():
+    assert quiz_reward("a:7+8=15\nb:3*4=12\nc:9-6=3", QUIZ_ROW, False) == Reward(1.0)
+    r = quiz_reward("a:7+8=15\nb:3*4=13\nc:9-6=2", QUIZ_ROW, False)
+    assert r == Reward(0.0, "Wrong Answer: 2 of 3 results are wrong.\n"
+                            "a:7+8=15 is right.\nb:3*4 is not 13.\nc:9-6 is not 2.")
+    # only the results count, line by line: a heading, spaces, a final period and a miscopied question do not
+    assert quiz_reward("Here:\n7 + 8 = 15\nb:3*5=12.\n 9-6 = 3 ", QUIZ_ROW, False) == Reward(1.0)
+    assert quiz_reward("a:7+8=15\nb:3*4=12\nc:9-6=3", QUIZ_ROW, True) == Reward(0.0, TRUNCATION_FEEDBACK)
+
+
+@pytest.mark.parametrize("response, problem", [
+    ("a:7+8=15\nb:3*4=12", "expected 3 lines 'label:question=result', found 2"),
+    ("15, 12, 3", "expected 3 lines 'label:question=result', found 0"),
+    ("a:7+8=15\nb:3*4=twelve\nc:9-6=3", "line 2 ('b:3*4=twelve') does not end in '= <whole number>'"),
+    ("a:7+8=15\nb:3*4=12\nc:9-6=3\nd:1+1=2", "expected 3 lines 'label:question=result', found 4"),
+])
+def test_quiz_format_errors(response, problem):
+    r = quiz_reward(response, QUIZ_ROW, False)
+    assert r.score == 0.0
+    assert r.feedback == (f"Format Error: {problem}. Write one line per question, in the order asked, "
+                          "for example 'a:7+8=<result>'.")
+
+
+def test_quiz_parse_results():
+    assert parse_results("a=1\nb = -2\nc=+3.", 3) == [1, -2, 3]
+    with pytest.raises(ValueError, match="found 1"):
+        parse_results("x=1", 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.sampled_from("+-*"), st.integers(0, 30)), min_size=1, max_size=6),
+       st.data())
+def test_quiz_feedback_never_contains_a_missing_result(questions, draw):
+    """The feedback repeats the reply's right results and nothing else of the answer: for a wrong
+    line, the correct result is never shown (checked against an independent evaluation)."""
+    value = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+    tests = [{"input": f"{chr(97 + i)}:{a}{op}{b}", "output": str(value[op](a, b))}
+             for i, (a, op, b) in enumerate(questions)]
+    given_results = [draw.draw(st.sampled_from([int(t["output"]), int(t["output"]) + 1, 0, -3])) for t in tests]
+    response = "\n".join(f"{t['input']}={v}" for t, v in zip(tests, given_results))
+    r = quiz_reward(response, {"uid": "q", "tests": tests}, False)
+    wrong = [i for i, t in enumerate(tests) if str(given_results[i]) != t["output"]]
+    assert r.score == float(not wrong)
+    if not wrong:
+        assert r.feedback == ""
+        return
+    reference = "\n".join(f"{t['input']}={t['output']}" for t in tests)
+    assert reference not in r.feedback
+    lines = r.feedback.split("\n")
+    assert lines[0] == f"Wrong Answer: {len(wrong)} of {len(tests)} results are wrong."
+    for i, (t, line) in enumerate(zip(tests, lines[1:])):
+        if i in wrong:
+            assert line == f"{t['input']} is not {given_results[i]}."  # the reply's result, never the correct one
+            assert not re.search(rf"(?<![\d-]){re.escape(t['output'])}(?!\d)", line.split(" is not ")[1]), line
+        else:
+            assert line == f"{t['input']}={t['output']} is right."
 
 
 # -----------------------------------------------------------------------------

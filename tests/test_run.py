@@ -392,6 +392,28 @@ def test_data_file_split_is_announced_and_an_empty_split_is_an_error(tmp_path, c
         run.load_data(run.parse_config([f"--data.task={path}", "--data.heldout_percent=0"]))
 
 
+def test_lr_factor_warms_up_then_stays_or_decays_to_zero():
+    flat = run.parse_config(["--optim.warmup_steps=4", "--train.steps=10", "--train.mini_batches=2"])
+    assert [run.lr_factor(flat, s) for s in (0, 1, 3, 19)] == [0.25, 0.5, 1.0, 1.0]
+    linear = run.parse_config(["--optim.warmup_steps=4", "--train.steps=10", "--train.mini_batches=2",
+                               "--optim.decay=linear"])
+    # 20 optimizer steps: warmup times (1 - s/20); the last step (s = 19) runs at 1/20 of the lr
+    expected = [0.25 * 1.0, 0.5 * 0.95, 1.0 * 0.85, 1.0 * 0.5, 1.0 * 0.05]
+    assert [run.lr_factor(linear, s) for s in (0, 1, 3, 10, 19)] == pytest.approx(expected)
+
+
+def test_success_stderr_is_the_spread_of_per_row_success():
+    cfg = run.parse_config([])
+    rollout = lambda reward: run.Rollout(row={}, prompt_ids=[], response_ids=[], rollout_logprobs=[], text="",
+                                         truncated=False, reward=reward)
+    # three rows of k=2 samples: per-row success 1, 0.5, 0 -> mean 0.5, sample std 0.5, stderr 0.5 / sqrt(3)
+    rollouts = [rollout(r) for r in (1.0, 1.0, 0.0, 1.0, 0.0, 0.0)]
+    assert run.success_stderr(rollouts, 2, cfg) == pytest.approx(0.5 / 3 ** 0.5)
+    # the same six samples read as six rows of one: std sqrt(0.3), stderr sqrt(0.3 / 6)
+    assert run.success_stderr(rollouts, 1, cfg) == pytest.approx((0.3 / 6) ** 0.5)
+    assert run.success_stderr(rollouts[:2], 2, cfg) != run.success_stderr(rollouts[:2], 2, cfg)  # one row: nan
+
+
 # ----------------------------------------------------------------------------------------
 # real runs (a vLLM engine; tens of seconds each)
 
@@ -557,6 +579,38 @@ def test_context_entropies_match_a_plain_forward(tiny_dir, tokenizer):
     every = [p for pairs in kinds.values() for p in pairs]
     diff = torch.cat([t[1] - s[1] for s, t in every]).mean().item()
     assert got["eval/teacher_minus_student_entropy"] == pytest.approx(diff, rel=1e-4, abs=1e-5)
+
+
+WARM_START = """
+import sys, torch
+sys.path.insert(0, {root!r})
+import run
+cfg = run.parse_config(["--data.task=quiz", "--train.warm_start_steps=3", "--log.progress=False"])
+print(run.resolve_model(cfg, run.Dist(0, 1, torch.device("cpu"))))
+"""
+
+
+@pytest.mark.slow
+def test_warm_start_weights_do_not_depend_on_the_thread_count(tmp_path):
+    """From an empty cache, one thread and two build the same tokenizer, tiny model and warm
+    start, bit for bit (CPU kernels may split sums differently with the thread count)."""
+    from safetensors.torch import load_file
+    dirs = []
+    for threads, hash_seed in (("1", "1"), ("2", "2")):
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "RAYON_NUM_THREADS": threads,
+               "PYTHONHASHSEED": hash_seed, "SDPO_CACHE": str(tmp_path / f"cache{threads}")}
+        proc = subprocess.run([sys.executable, "-c", WARM_START.format(root=ROOT)], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        dirs.append(proc.stdout.strip().splitlines()[-1])
+    tiny = [d.split("-sft-")[0] for d in dirs]  # <cache>/tiny-<recipe>-sft-<recipe>/final
+    with open(os.path.join(tiny[0], "tokenizer.json")) as a, open(os.path.join(tiny[1], "tokenizer.json")) as b:
+        assert a.read() == b.read()
+    one, two = (load_file(os.path.join(d, "model.safetensors")) for d in dirs)
+    initial = load_file(os.path.join(tiny[0], "model.safetensors"))
+    assert one.keys() == two.keys()
+    assert all(torch.equal(one[k], two[k]) for k in one)
+    assert not all(torch.equal(one[k], initial[k]) for k in one)  # the warm start trained something
 
 
 def test_warm_start_is_plain_sft_and_shared_across_rl_flags(tiny_dir, monkeypatch, tmp_path):
