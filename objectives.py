@@ -483,7 +483,7 @@ def prepare_pairs(rollouts: list, tokenizer, cfg) -> dict:
     if cfg.dpo.chosen == "sample" and cfg.rollout.n < 2:
         raise ValueError(f"--algo dpo needs --rollout.n >= 2 samples per prompt to pair (got {cfg.rollout.n}), "
                          "or --dpo.chosen reference")
-    eos = engine_eos(rollouts, tokenizer)
+    eos = engine_eos(rollouts, tokenizer) if cfg.dpo.chosen == "reference" else None
     pairs, ties, prompts_with_pair, groups = 0, 0, 0, prompt_groups(rollouts)
     for group in groups:
         for i, r in enumerate(group):
