@@ -1,10 +1,10 @@
-"""Sample efficiency: SDPO against GRPO at equal generation budgets, several seeds.
+"""Sample efficiency: SDPO, GRPO (and DPO, ...) at equal generation budgets, several seeds.
 
-    python bench/learning.py [--tasks strops,arith] [--seeds 3] [--steps 30] [--eval_every 5]
+    python bench/learning.py [--tasks strops,arith] [--algos grpo,sdpo,dpo] [--seeds 3] [--steps 30] [--eval_every 5]
                              [--out runs/bench-learning] [--launcher "torchrun --nproc_per_node=4"]
                              [extra run.py flags, e.g. --model.path=/models/qwen3-8b --data.task=...]
 
-For each task, both algorithms and every seed start from the same checkpoint: the tiny
+For each task, every algorithm and every seed start from the same checkpoint: the tiny
 model's cached warm start (built here once per task), or --model.path. Each run is a plain
 `run.py` process with the same flags except --algo and --train.seed, so it measures what a
 user would get. Eval success (avg@k on held-out rows, run.py's eval/success_rate) is read
@@ -15,8 +15,11 @@ table), runs/ (every run's metrics.jsonl), and prints per task
 
     RESULT task=... grpo_final=... sdpo_final=... sdpo_gens_to_match_grpo_final_ratio=...
 
-The ratio is the generations SDPO's mean curve needs to reach GRPO's mean final eval success
-(linear interpolation between eval points) over GRPO's total; "inf" if it never does.
+with one final and one ratio per algorithm after the first of --algos (the baseline): the
+generations its mean curve needs to reach the baseline's mean final eval success (linear
+interpolation between eval points) over the baseline's total; "inf" if it never does. Every
+algorithm draws the same generations per step (prompts per step x n); SPIN's reference
+responses are not generated and do not count.
 """
 import argparse
 import json
@@ -29,7 +32,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-ALGOS = ("grpo", "sdpo")
 
 
 def warm_start(flags: list[str]) -> str:
@@ -74,6 +76,18 @@ def mean_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[int, float, 
     return out
 
 
+def compare(summary: dict) -> str:
+    """Each algorithm's mean final eval success and, after the first (the baseline), the
+    generations it needs to reach the baseline's final over the baseline's total."""
+    base, *others = summary
+    base_final, base_gens = summary[base][-1][1], summary[base][-1][0]
+    fields = [f"{base}_final={base_final:.3f}"]
+    for algo in others:
+        ratio = gens_to_reach([(g, m) for g, m, _, _ in summary[algo]], base_final) / base_gens
+        fields += [f"{algo}_final={summary[algo][-1][1]:.3f}", f"{algo}_gens_to_match_{base}_final_ratio={ratio:.3f}"]
+    return " ".join(fields)
+
+
 def plot(path: str, task: str, summary: dict):
     import matplotlib
     matplotlib.use("Agg")
@@ -96,12 +110,17 @@ def plot(path: str, task: str, summary: dict):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", default="strops,arith")
+    parser.add_argument("--algos", default="grpo,sdpo", help="rows of objectives.OBJECTIVES; the first is the baseline")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--eval_every", type=int, default=10)
     parser.add_argument("--out", default="runs/bench-learning")
     parser.add_argument("--launcher", default=sys.executable, help="e.g. 'torchrun --nproc_per_node=4'")
     args, extra = parser.parse_known_args()
+    import objectives
+    algos = args.algos.split(",")
+    if unknown := [a for a in algos if a not in objectives.OBJECTIVES]:
+        parser.error(f"--algos: unknown {unknown}; choose from {sorted(objectives.OBJECTIVES)}")
     launcher = shlex.split(args.launcher)
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
@@ -115,7 +134,7 @@ def main():
         cfg = run.parse_config(task_flags)
         gens_per_step = cfg.train.prompts_per_step * cfg.rollout.n
         curves = {}
-        for algo in ALGOS:
+        for algo in algos:
             curves[algo] = []
             for seed in range(args.seeds):
                 flags = task_flags + [f"--model.path={start}", f"--algo={algo}", f"--train.seed={seed}",
@@ -130,10 +149,7 @@ def main():
         for algo, points in summary.items():
             cells = ", ".join(f"{g}: {m:.3f} [{lo:.3f}, {hi:.3f}]" for g, m, lo, hi in points)
             table.append(f"| {name} | {algo} | {cells} |")
-        grpo_final, sdpo_final = summary["grpo"][-1][1], summary["sdpo"][-1][1]
-        ratio = gens_to_reach([(g, m) for g, m, _, _ in summary["sdpo"]], grpo_final) / summary["grpo"][-1][0]
-        results.append(f"RESULT task={name} grpo_final={grpo_final:.3f} sdpo_final={sdpo_final:.3f} "
-                       f"sdpo_gens_to_match_grpo_final_ratio={ratio:.3f}")
+        results.append(f"RESULT task={name} " + compare(summary))
     with open(os.path.join(args.out, "learning.md"), "w") as f:
         f.write("\n".join(table) + "\n\n" + "\n".join(results) + "\n")
     print("\n".join(table))
