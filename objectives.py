@@ -5,11 +5,17 @@ that row's plain functions at fixed points of a step:
 
     references  True: train on the rows' reference responses (SFT) instead of generating
     models      the optional models it needs beside the policy: "teacher" (SDPO's EMA /
-                frozen / trust-region copy), later "reference" and "discriminator"
+                frozen / trust-region copy), "reference" (DPO's), later "discriminator"
     prepare     rank 0, after scoring: write what the loss needs onto the rollouts
-                (advantages, teacher contexts) and return the step's metrics
+                (advantages, teacher contexts, preference pairs) and return the step's
+                metrics; it may append rollouts that were not generated (SPIN's references)
+    before_update  every rank, on the shared rollouts: what needs a model before the
+                update (DPO's reference log-probs)
     counted     whether a rollout counts in the loss's normalisation (SDPO: it has a teacher
                 context); the loop turns this into the optimizer step's global counts
+    counts      more global counts of an optimizer step from its counted rollouts (DPO: pairs)
+    counted_only  True: rollouts that do not count are left out of the micro-batches (DPO:
+                a sample in no pair has nothing to learn from and costs a forward for nothing)
     loss        (micro-batch, models, cfg) -> the micro-batch's loss, normalised by the
                 optimizer step's global counts, and {metric: (sum, count)} statistics
 
@@ -33,6 +39,7 @@ import torch.distributed as dist
 import data
 import losses
 import sdpo
+from teacher import reshard
 
 
 # ----------------------------------------------------------------------------------------
@@ -57,6 +64,11 @@ class Rollout:
     teacher_ids: list | None = None  # SDPO/hybrid: teacher prompt + the same response ids
     sdpo_mask: float = 0.0  # SDPO/hybrid: 1.0 when the sample has a teacher context
     teacher_context: str = ""  # SDPO/hybrid: "demonstration", "feedback" or "" (none)
+    generated: bool = True  # False: the row's reference response (SFT, SPIN), with no engine log-probs
+    sample_index: int = 0  # DPO: position among its prompt's rollouts
+    preferred_over: list = field(default_factory=list)  # DPO: sample_index of each sibling it is chosen over
+    paired: bool = False  # DPO: in at least one preference pair
+    reference_logprob: float = 0.0  # DPO: response log-prob under the reference (summed; IPO: mean)
     # written by cache_teacher_hidden on the rank that trains it, consumed by its micro-batch:
     teacher_hidden: torch.Tensor | None = None  # [R, H'] teacher hidden states at the response tokens
 
@@ -66,7 +78,7 @@ class Models:
     """The policy and the optional models an objective asked for (None when not)."""
     policy: torch.nn.Module
     teacher: object = None  # teacher.Teacher: SDPO's EMA / frozen / trust-region / live teacher
-    reference: torch.nn.Module | None = None  # a frozen copy of a policy (KL and DPO references)
+    reference: object = None  # teacher.Reference: DPO's frozen copy of the policy, refreshed every N steps
     discriminator: torch.nn.Module | None = None
 
 
@@ -148,10 +160,15 @@ def response_logprobs(model, rollouts: list, pad_id: int, d: Dist, micro_batch: 
     log-probs, reference log-probs): each rank scores a share, then all ranks exchange them.
     Returns one list of per-token floats per rollout, on every rank."""
     mine = list(range(len(rollouts)))[d.rank::d.world]
+    # Under FSDP2 every forward is a collective: a rank with a smaller share runs idle ones.
+    calls = math.ceil(math.ceil(len(rollouts) / d.world) / micro_batch)
     local = {}
     with torch.no_grad():
-        for i in range(0, len(mine), micro_batch):
+        for i in range(0, calls * micro_batch, micro_batch):
             part = mine[i:i + micro_batch]
+            if not part:
+                forward(model, pack(model, [[pad_id, pad_id]], [1], pad_id, d.device), lambda h, w: h.sum())
+                continue
             packed = pack(model, [rollouts[j].prompt_ids + rollouts[j].response_ids for j in part],
                           [len(rollouts[j].response_ids) for j in part], pad_id, d.device,
                           images=[rollouts[j].row.get("images") for j in part])
@@ -199,15 +216,19 @@ def engine_correction(mb: MicroBatch, old_logprobs: torch.Tensor, cfg) -> torch.
                                      level=cfg.rollout.is_level, mask=mb.response_mask)
 
 
-def rollout_stats(mb: MicroBatch, old_logprobs: torch.Tensor, entropy: torch.Tensor) -> dict:
-    """Entropy, engine-vs-trainer mismatch KL and IS ratios, as (sum, count) over tokens."""
-    tokens = float(entropy.numel())
-    log_ratio = (old_logprobs - mb.rollout_logprobs).clamp(-20, 20)
+def rollout_stats(mb: MicroBatch, old_logprobs: torch.Tensor, entropy: torch.Tensor,
+                  sampled: torch.Tensor | None = None) -> dict:
+    """Entropy, engine-vs-trainer mismatch KL and IS ratios, as (sum, count) over the tokens
+    the engine sampled (sampled [N]: 1 for those, 0 for a reference response's; None: all)."""
+    sampled = torch.ones_like(entropy) if sampled is None else sampled
+    tokens = sampled.sum().item()
+    ratio = (old_logprobs - mb.rollout_logprobs).clamp(-20, 20).exp()
     return {
-        "actor/entropy": (entropy.sum().item(), tokens),
-        "rollout/mismatch_kl": (losses.kl_estimate(mb.rollout_logprobs, old_logprobs, "k3").sum().item(), tokens),
-        "is/ratio_mean": (log_ratio.exp().sum().item(), tokens),
-        "is/ratio_max": (log_ratio.exp().max().item() if tokens else 0.0, 1.0),
+        "actor/entropy": ((entropy * sampled).sum().item(), tokens),
+        "rollout/mismatch_kl": ((losses.kl_estimate(mb.rollout_logprobs, old_logprobs, "k3") * sampled).sum().item(),
+                                tokens),
+        "is/ratio_mean": ((ratio * sampled).sum().item(), tokens),
+        "is/ratio_max": (ratio[sampled > 0].max().item() if tokens else 0.0, 1.0),
     }
 
 
@@ -454,6 +475,152 @@ def sft_loss(mb: MicroBatch, models: Models, cfg):
 
 
 # ----------------------------------------------------------------------------------------
+# DPO (online, and SPIN): preference pairs among a prompt's samples, or the row's reference
+# response over each sample, against a frozen reference model (SPEC section 6)
+
+
+def preference_pairs(rewards: list, mode: str) -> tuple[list, int]:
+    """(chosen, rejected) index pairs among one prompt's samples, and how many candidate
+    pairs were skipped for a tie. best_worst: the best sample over the worst (the first of
+    each when several share the reward), one candidate per prompt; all: every two samples
+    with different rewards, the better one chosen."""
+    n = len(rewards)
+    if mode == "best_worst":
+        if n < 2:
+            return [], 0
+        best = max(range(n), key=lambda i: rewards[i])
+        worst = min(range(n), key=lambda i: rewards[i])
+        return ([], 1) if rewards[best] == rewards[worst] else ([(best, worst)], 0)
+    if mode != "all":
+        raise ValueError(f"unknown pairing {mode!r}; choose best_worst or all")
+    pairs, ties = [], 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            if rewards[i] == rewards[j]:
+                ties += 1
+            else:
+                pairs.append((i, j) if rewards[i] > rewards[j] else (j, i))
+    return pairs, ties
+
+
+def engine_eos(rollouts: list, tokenizer) -> int:
+    """The token the engine's finished responses end with (the commonest, when a model has
+    several stop tokens); the tokenizer's EOS when every response was truncated."""
+    ends = [r.response_ids[-1] for r in rollouts if r.generated and not r.truncated and r.response_ids]
+    return max(set(ends), key=ends.count) if ends else tokenizer.eos_token_id
+
+
+def prompt_groups(rollouts: list) -> list[list]:
+    """Rollouts grouped by their row's uid, in order of first appearance."""
+    groups = {}
+    for r in rollouts:
+        groups.setdefault(r.row["uid"], []).append(r)
+    return list(groups.values())
+
+
+def prepare_pairs(rollouts: list, tokenizer, cfg) -> dict:
+    """Preference pairs within each prompt's samples, written onto the chosen rollout
+    (preferred_over) and marked on both (paired). A tie gives no pair, and a prompt without
+    a pair contributes nothing. --dpo.chosen reference (SPIN): the row's reference response
+    is appended as a rollout (not generated: tokenised, ending with the engine's EOS) and
+    chosen over each sample, except a sample identical to it (a pair with no gradient,
+    counted as a tie)."""
+    if cfg.dpo.chosen == "sample" and cfg.rollout.n < 2:
+        raise ValueError(f"--algo dpo needs --rollout.n >= 2 samples per prompt to pair (got {cfg.rollout.n}), "
+                         "or --dpo.chosen reference")
+    eos = engine_eos(rollouts, tokenizer) if cfg.dpo.chosen == "reference" else None
+    pairs, ties, prompts_with_pair, groups = 0, 0, 0, prompt_groups(rollouts)
+    for group in groups:
+        for i, r in enumerate(group):
+            r.sample_index = i
+        if cfg.dpo.chosen == "reference":
+            first = group[0]
+            ids = data.reference_response_ids(tokenizer, first.row, eos, "--dpo.chosen reference")
+            reference = Rollout(row=first.row, prompt_ids=first.prompt_ids, response_ids=ids,
+                                rollout_logprobs=[0.0] * len(ids), text=first.row["reference"], truncated=False,
+                                generated=False, sample_index=len(group))
+            found = [(len(group), r.sample_index) for r in group if r.response_ids != ids]
+            ties += len(group) - len(found)
+            group.append(reference)
+            rollouts.append(reference)
+        else:
+            found, tied = preference_pairs([r.reward for r in group], cfg.dpo.pairs)
+            ties += tied
+        for chosen, rejected in found:
+            group[chosen].preferred_over.append(rejected)
+            group[chosen].paired = group[rejected].paired = True
+        pairs += len(found)
+        prompts_with_pair += bool(found)
+    return {"dpo/pairs": pairs, "dpo/ties_skipped": ties, "dpo/prompts_with_pair": prompts_with_pair / len(groups)}
+
+
+def sequence_logprobs(token_logprobs: torch.Tensor, lengths: torch.Tensor, cfg) -> torch.Tensor:
+    """A response's log-prob [B] from the [B, R] matrix of its tokens' (zeros past the end):
+    the sum, or for IPO the mean over its tokens (as TRL does)."""
+    total = token_logprobs.sum(-1)
+    return total / lengths.clamp(min=1) if cfg.dpo.loss_type == "ipo" else total
+
+
+def reference_logprobs(rollouts: list, models: Models, cfg, pad_id: int, d: Dist) -> dict:
+    """Every paired rollout's log-prob under the reference model, once per step, before the
+    update (all ranks take part; each scores a share)."""
+    if models.reference is None:  # --dpo.reference_free
+        return {}
+    t0 = time.perf_counter()
+    paired = [r for r in rollouts if r.paired]
+    token_logprobs = response_logprobs(models.reference.model, paired, pad_id, d, cfg.train.micro_batch,
+                                       cfg.rollout.temperature)
+    for r, logprobs in zip(paired, token_logprobs):
+        value = math.fsum(logprobs)
+        r.reference_logprob = value / max(len(logprobs), 1) if cfg.dpo.loss_type == "ipo" else value
+    reshard(models.reference.model)  # a no-grad forward leaves FSDP2's root unsharded
+    return {"time/reference_s": time.perf_counter() - t0}
+
+
+def pair_positions(rollouts: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions in rollouts of each pair's chosen and rejected response ([P] each)."""
+    where = {(r.row["uid"], r.sample_index): i for i, r in enumerate(rollouts)}
+    chosen, rejected = [], []
+    for i, r in enumerate(rollouts):
+        for j in r.preferred_over:
+            chosen.append(i)
+            rejected.append(where[(r.row["uid"], j)])
+    return torch.tensor(chosen, dtype=torch.long), torch.tensor(rejected, dtype=torch.long)
+
+
+def dpo_loss(mb: MicroBatch, models: Models, cfg):
+    """The DPO family's loss (--dpo.loss_type, β, label smoothing) of this micro-batch's
+    pairs, summed and divided by the optimizer step's global pair count. A pair's two
+    responses always share a micro-batch (the loop keeps a prompt's rollouts together).
+
+    Deliberately not applied: the engine-vs-trainer IS correction and a ratio clip. DPO is an
+    off-policy objective (the pairs could come from any sampler), as in TRL's online DPO and
+    verl's SPIN recipe; the mismatch is still logged."""
+    dp = cfg.dpo
+    logprobs, entropy = forward(models.policy, mb.packed, logprob_head(mb.packed.targets, cfg.rollout.temperature))
+    policy = sequence_logprobs(mb.matrix(logprobs), mb.per_sequence(lambda r: len(r.response_ids)), cfg)
+    reference = None if dp.reference_free else mb.per_sequence(lambda r: r.reference_logprob)
+    chosen, rejected = (i.to(mb.device) for i in pair_positions(mb.rollouts))
+    pick = lambda values, at: None if values is None else values[at]
+    pair_losses, chosen_rewards, rejected_rewards = losses.dpo_loss(
+        policy[chosen], policy[rejected], pick(reference, chosen), pick(reference, rejected), beta=dp.beta,
+        kind=dp.loss_type, label_smoothing=dp.label_smoothing, reference_free=dp.reference_free)
+    pairs = float(len(chosen))
+    sampled = torch.cat([torch.full((len(r.response_ids),), float(r.generated), device=mb.device)
+                         for r in mb.rollouts])
+    stats = rollout_stats(mb, old_or_current(mb, logprobs), entropy, sampled)
+    stats.update({
+        "dpo/rewards_chosen": (chosen_rewards.sum().item(), pairs),
+        "dpo/rewards_rejected": (rejected_rewards.sum().item(), pairs),
+        "dpo/margin": ((chosen_rewards - rejected_rewards).sum().item(), pairs),
+        "dpo/accuracy": ((chosen_rewards > rejected_rewards).float().sum().item(), pairs),
+        "dpo/logps_chosen": (policy[chosen].detach().sum().item(), pairs),
+        "dpo/logps_rejected": (policy[rejected].detach().sum().item(), pairs),
+    })
+    return pair_losses.sum() / mb.counts["pairs"], stats
+
+
+# ----------------------------------------------------------------------------------------
 # The table
 
 
@@ -465,6 +632,8 @@ class Objective:
     # (rollouts, models, cfg, pad_id, dist) -> metrics
     before_update: Callable = lambda rollouts, models, cfg, pad_id, d: {}
     counted: Callable = lambda rollout: True  # counts in the loss's normalisation
+    counts: Callable = lambda rollouts: {}  # more global counts of an optimizer step
+    counted_only: bool = False  # True: uncounted rollouts are left out of the micro-batches
     keep_prompts_together: bool = False  # True: a prompt's samples always share a micro-batch
     models: tuple = ()  # optional models: "teacher", "reference", "discriminator"
     references: bool = False  # train on the rows' references instead of generating
@@ -477,4 +646,8 @@ OBJECTIVES = {
     "gspo": Objective(loss=gspo_loss, prepare=prepare_advantages),
     "hybrid": Objective(loss=hybrid_loss, prepare=prepare_hybrid, models=("teacher",)),
     "sft": Objective(loss=sft_loss, references=True),
+    "dpo": Objective(loss=dpo_loss, prepare=prepare_pairs, before_update=reference_logprobs,
+                     counted=lambda r: r.paired, counted_only=True, keep_prompts_together=True,
+                     counts=lambda rollouts: {"pairs": sum(len(r.preferred_over) for r in rollouts)},
+                     models=("reference",)),
 }

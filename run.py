@@ -1,4 +1,4 @@
-"""Train a causal LM with SDPO, GRPO, GSPO, the λ-hybrid or SFT, on rollouts from vLLM.
+"""Train a causal LM with SDPO, GRPO, GSPO, the λ-hybrid, online DPO / SPIN or SFT, on rollouts from vLLM.
 
     python run.py                                          # the default job: tiny model, CPU
     torchrun --nproc_per_node=2 run.py --algo grpo         # FSDP2 over two ranks
@@ -35,7 +35,7 @@ import objectives
 import sdpo
 from objectives import Dist, Models, Rollout
 from rollout import EngineError, engine_state
-from teacher import Teacher, full_tensor, reshard
+from teacher import Reference, Teacher, full_tensor, reshard
 
 # ----------------------------------------------------------------------------------------
 # Configuration (tyro): python run.py --help
@@ -118,6 +118,26 @@ class SdpoArgs(sdpo.SdpoConfig):
 
 
 @dataclass
+class DpoConfig:
+    """Online DPO (pairs among a prompt's samples) and SPIN (the row's reference over each sample)."""
+    pairs: Literal["best_worst", "all"] = "best_worst"  # per prompt: best sample over worst, or every pair
+    # with a reward difference
+    chosen: Literal["sample", "reference"] = "sample"  # reference: SPIN, the row's reference is always chosen
+    loss_type: Literal[losses.DPO_KINDS] = "sigmoid"  # sigmoid, ipo (length-normalised log-probs), hinge, robust
+    beta: float = 0.1
+    label_smoothing: float = 0.0  # ε of sigmoid (conservative DPO) and robust; < 0.5
+    ref_update_every: int = 0  # the reference becomes the policy every N steps (SPIN's iterations); 0: never
+    reference_free: bool = False  # no reference model: the log-ratios are the policy's log-probs alone
+
+    def __post_init__(self):
+        if self.beta <= 0 or not 0 <= self.label_smoothing < 0.5 or self.ref_update_every < 0:
+            raise ValueError(f"--dpo: need beta > 0 (got {self.beta}), 0 <= label_smoothing < 0.5 "
+                             f"(got {self.label_smoothing}), ref_update_every >= 0 (got {self.ref_update_every})")
+        if self.reference_free and self.ref_update_every:
+            raise ValueError("--dpo.reference_free has no reference to refresh: drop --dpo.ref_update_every")
+
+
+@dataclass
 class OptimConfig:
     lr: float = 1e-4  # the paper's 1e-5 is for 8B models; the tiny model needs more
     warmup_steps: int = 2
@@ -172,6 +192,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     sdpo: SdpoArgs = field(default_factory=SdpoArgs)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -484,9 +505,7 @@ def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
     rng = random.Random(stream_seed("references", cfg.train.seed, step))
     out = []
     for row in rows:
-        if not row.get("reference"):
-            raise ValueError(f"{row['source']}: --algo sft needs a reference response (field 'teacher_response')")
-        response = tokenizer(row["reference"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        response = data.reference_response_ids(tokenizer, row, tokenizer.eos_token_id, "--algo sft")
         draw, prompt = rng.random(), None
         if draw < cfg.train.warm_start_demo_frac:
             prompt = teacher_context_ids(tokenizer, row, "demonstration", rng, cfg)
@@ -495,7 +514,7 @@ def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
         if prompt is None:
             prompt = data.chat_prompt_ids(tokenizer, row["messages"], cfg.data.max_prompt_len)
         out.append(Rollout(row=row, prompt_ids=prompt, response_ids=response, rollout_logprobs=[0.0] * len(response),
-                           text=row["reference"], truncated=False, reward=1.0))
+                           text=row["reference"], truncated=False, reward=1.0, generated=False))
     return out
 
 
@@ -653,9 +672,13 @@ def learn(cfg: Config, objective, trainer: Trainer, engine, tokenizer, rollouts:
     weights of step + 1 updates; the engine first finishes a batch it generates ahead)."""
     t0 = time.perf_counter()
     metrics, stepped = update_policy(cfg, objective, trainer, rollouts, step, pad_token_id(tokenizer), d)
-    metrics["time/train_s"] = time.perf_counter() - t0 - metrics["time/teacher_s"]
+    # the policy's own forward and backward: the teacher's and the reference's forwards are timed apart
+    metrics["time/train_s"] = (time.perf_counter() - t0 - metrics["time/teacher_s"]
+                               - metrics.get("time/reference_s", 0.0))
     if trainer.models.teacher is not None:  # EMA only after a real optimizer step
         trainer.models.teacher.update(trainer.models.policy, stepped)
+    if trainer.models.reference is not None:
+        metrics["reference/refreshed"] = float(trainer.models.reference.refresh(trainer.models.policy, step + 1))
     if not objective.references:  # not `engine is not None`: only rank 0 holds the engine, all ranks sync
         metrics.update(sync_engine(cfg, engine, trainer.models.policy, tokenizer, d, version=step + 1))
     return metrics
@@ -678,8 +701,7 @@ def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step
     plan = [(counts, rank_micro_batches(mini_batch, cfg.train.micro_batch, d) if counts["tokens"] else None)
             for mini_batch in split_evenly(units, cfg.train.mini_batches)
             for counts in [step_counts([rollouts[i] for unit in mini_batch for i in unit], objective)]]
-    old_logprobs = objectives.response_logprobs(models.policy, rollouts, pad_id, d, cfg.train.micro_batch,
-                                                cfg.rollout.temperature) if cfg.train.mini_batches > 1 else None
+    old_logprobs = before_update_logprobs(cfg, models.policy, rollouts, units, pad_id, d)
     teacher_seconds = 0.0
     if models.teacher is not None:
         mine = sorted(i for _, micro in plan if micro for part in micro for i in part)
@@ -714,6 +736,20 @@ def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step
     return metrics, stepped
 
 
+def before_update_logprobs(cfg: Config, policy, rollouts: list, units: list, pad_id: int, d: Dist) -> list | None:
+    """Log-probs of the rollouts that train (those in units), before the first optimizer step
+    of the batch (None elsewhere); None when there is a single optimizer step."""
+    if cfg.train.mini_batches == 1:
+        return None
+    trained = sorted(i for unit in units for i in unit)
+    logprobs = objectives.response_logprobs(policy, [rollouts[i] for i in trained], pad_id, d, cfg.train.micro_batch,
+                                            cfg.rollout.temperature)
+    out = [None] * len(rollouts)
+    for i, values in zip(trained, logprobs):
+        out[i] = values
+    return out
+
+
 def accumulate_gradients(cfg: Config, objective, models: Models, rollouts: list, micro: list, old_logprobs,
                          counts: dict, pad_id: int, d: Dist, stats: dict, seconds: dict):
     """Forward and backward over this rank's micro-batches of one optimizer step (micro: lists
@@ -742,7 +778,7 @@ def rank_micro_batches(units: list, micro_batch: int, d: Dist) -> list[list[int]
     (FSDP2's collectives)."""
     # The order of micro-batches within an optimizer step does not change its gradient:
     # keeping each prompt's samples together lets them share their teacher prompt's forward.
-    units = sorted(units)
+    units = sorted(unit for unit in units if unit)  # an objective may leave a prompt with nothing to train
     per_rank = [pack_units(rank_share(units, r, d.world), micro_batch) for r in range(d.world)]
     return per_rank[d.rank] + [[]] * (max(max(len(m) for m in per_rank), 1) - len(per_rank[d.rank]))
 
@@ -758,12 +794,17 @@ def idle_loss(cfg: Config, models: Models, pad_id: int, d: Dist):
 
 def micro_batch_units(rollouts: list, objective) -> list[list[int]]:
     """Lists of rollout indices that must share a micro-batch: each sample alone, or a prompt's
-    samples together (objectives that compare siblings, e.g. preference pairs)."""
+    samples together (objectives that compare siblings, e.g. preference pairs). With
+    counted_only, uncounted rollouts are left out; a unit may then be empty, so that the
+    mini-batches still split the step's prompts the same way whatever their counts."""
+    keep = (lambda i: objective.counted(rollouts[i])) if objective.counted_only else (lambda i: True)
     if not objective.keep_prompts_together:
-        return [[i] for i in range(len(rollouts))]
+        return [[i] if keep(i) else [] for i in range(len(rollouts))]
     groups = {}
     for i, r in enumerate(rollouts):
-        groups.setdefault(r.row["uid"], []).append(i)
+        groups.setdefault(r.row["uid"], [])
+        if keep(i):
+            groups[r.row["uid"]].append(i)
     return list(groups.values())
 
 
@@ -782,7 +823,7 @@ def step_counts(rollouts: list, objective) -> dict:
     """Global token / sequence counts of one optimizer step (all micro-batches, all ranks)."""
     counted = [r for r in rollouts if r.response_ids and objective.counted(r)]
     return {"tokens": sum(len(r.response_ids) for r in counted), "sequences": len(counted),
-            "max_len": max((len(r.response_ids) for r in rollouts), default=1)}
+            "max_len": max((len(r.response_ids) for r in rollouts), default=1), **objective.counts(counted)}
 
 
 def add_stats(into: dict, stats: dict):
@@ -1005,6 +1046,8 @@ def build_trainer(cfg: Config, objective, model_dir: str, d: Dist) -> Trainer:
     if "teacher" in objective.models:
         copy = load_policy(model_dir, cfg, d.world, d.device) if cfg.sdpo.teacher != "live" else None
         models.teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate, copy)
+    if "reference" in objective.models and not cfg.dpo.reference_free:
+        models.reference = Reference(load_policy(model_dir, cfg, d.world, d.device), cfg.dpo.ref_update_every)
     return Trainer(models, optimizer, scheduler)
 
 
@@ -1108,8 +1151,9 @@ def load_checkpoint(path: str, trainer: Trainer, cfg: Config, d: Dist):
     dcp.load(state, checkpoint_id=path)
     set_state_dict(trainer.models.policy, trainer.optimizer, model_state_dict=state["policy"],
                    optim_state_dict=state["optimizer"])
-    if "teacher" in state:
-        trainer.models.teacher.load_state_dict(state["teacher"])
+    for name in ("teacher", "reference"):
+        if name in state:
+            getattr(trainer.models, name).load_state_dict(state[name])
     torch.set_rng_state(state["meta"]["torch_rng"])
     random.setstate(state["meta"]["python_rng"])
     file = os.path.join(path, NEXT_BATCH)
@@ -1159,6 +1203,8 @@ def checkpoint_state(trainer: Trainer, step: int) -> dict:
              "meta": {"step": step, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}}
     if trainer.models.teacher is not None and trainer.models.teacher.copy is not None:
         state["teacher"] = trainer.models.teacher.state_dict()
+    if trainer.models.reference is not None:
+        state["reference"] = trainer.models.reference.state_dict()
     return state
 
 
@@ -1304,7 +1350,8 @@ class Logger:
 
 class Progress:
     SHOWN = {"reward/mean": "reward", "reward/success_rate": "success", "eval/success_rate": "eval",
-             "sdpo/teacher_coverage": "coverage", "sdpo/divergence": "div", "time/step_s": "s/step"}
+             "sdpo/teacher_coverage": "coverage", "sdpo/divergence": "div", "dpo/accuracy": "pref_acc",
+             "time/step_s": "s/step"}
 
     def __init__(self, start, total, enabled, desc):
         self.bar = None

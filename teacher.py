@@ -1,4 +1,4 @@
-"""The SDPO teacher: the policy's own network, regularised (SPEC section 5).
+"""The SDPO teacher (SPEC section 5) and the DPO reference: copies of the policy's network.
 
   ema           θ_T ← (1−r)·θ_T + r·θ after every training step, on each rank's own FSDP2
                 shards (no gather), and only when some optimizer step had a finite grad norm
@@ -12,6 +12,9 @@ can compute teacher logits chunk by chunk (losses.sdpo_topk_loss_from_hidden). T
 trust-region lerp is exact in that form: lerp of logits over [h_ref, h_student] is one
 matmul of the concatenated hidden states [(1−r)·h_ref, r·h_student] with the
 concatenated heads [W_ref, W_student].
+
+The DPO reference (`Reference`) is the initial policy, frozen, replaced by the current
+policy every N steps (SPIN's iterations) or never.
 """
 import torch
 
@@ -129,6 +132,41 @@ class Teacher:
         if self.kind == "trust-region":
             return torch.cat([self.head_weight_source().float(), student_weight.detach().float()], dim=-1)
         return self.head_weight_source()
+
+
+class Reference:
+    """A frozen copy of the policy for log-ratios against it (DPO, SPEC section 6): the
+    initial policy, replaced by the policy of the moment after every `every` training steps
+    (SPIN: each iteration's reference is the previous iteration's model); 0: never.
+
+    model: a module built like the policy (same wrapper, same sharding), holding the
+    initial weights. Refreshing copies each rank's own FSDP2 shards (no gather).
+    """
+
+    def __init__(self, model, every: int = 0):
+        if every < 0:
+            raise ValueError(f"the reference refresh interval must be >= 0 steps, got {every}")
+        self.model, self.every = model, every
+        model.requires_grad_(False)
+        model.eval()
+
+    @torch.no_grad()
+    def refresh(self, policy, steps_done: int) -> bool:
+        """Copy the policy's weights after training step `steps_done` (1-based) when it is a
+        multiple of `every`; returns whether it did."""
+        if not self.every or steps_done % self.every:
+            return False
+        reshard(self.model)
+        reshard(policy)
+        for reference_p, policy_p in zip(self.model.parameters(), policy.parameters()):
+            local_tensor(reference_p).copy_(local_tensor(policy_p))
+        return True
+
+    def state_dict(self) -> dict:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: dict):
+        self.model.load_state_dict(state)
 
 
 def _hidden_only(hidden, weight):

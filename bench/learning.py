@@ -1,10 +1,10 @@
-"""Sample efficiency: SDPO against GRPO at equal generation budgets, several seeds.
+"""Sample efficiency: SDPO, GRPO (and DPO, ...) at equal generation budgets, several seeds.
 
-    python bench/learning.py [--tasks quiz,strops,arith] [--seeds 3] [--steps 40] [--eval_every 10]
+    python bench/learning.py [--tasks quiz,strops,arith] [--algos grpo,sdpo,dpo] [--seeds 3] [--steps 40] [--eval_every 10]
                              [--out runs/bench-learning] [--launcher "torchrun --nproc_per_node=4"]
                              [extra run.py flags, e.g. --model.path=/models/qwen3-8b --data.quiz_max=12]
 
-For each task, both algorithms and every seed start from the same checkpoint: the tiny
+For each task, every algorithm and every seed start from the same checkpoint: the tiny
 model's cached warm start (built here once per task), or --model.path. Each run is a plain
 `run.py` process with the same flags except --algo and --train.seed, so it measures what a
 user would get. Eval success (avg@k on held-out rows, run.py's eval/success_rate) is read
@@ -16,9 +16,12 @@ tables), runs/ (every run's metrics.jsonl), and prints per task
     RESULT task=... grpo_final=... sdpo_final=... sdpo_gens_to_match_grpo_final_ratio=... \
         grpo_final_spread=... sdpo_final_spread=...
 
-The ratio is the generations SDPO's mean curve needs to reach GRPO's mean final eval success
-(linear interpolation between eval points) over GRPO's total; "inf" if it never does. A
-spread is max - min of the final eval success over seeds.
+with one final, spread and ratio per algorithm after the first of --algos (the baseline): the
+generations its mean curve needs to reach the baseline's mean final eval success (linear
+interpolation between eval points) over the baseline's total; "inf" if it never does. A
+spread is max - min of the final eval success over seeds. Every algorithm draws the same
+generations per step (prompts per step x n); SPIN's reference responses are not generated
+and do not count.
 
 The second table explains a result: per algorithm, over the first and the last quarter of
 the steps (mean over seeds), the training batches' success, their groups with a success, the success of
@@ -38,7 +41,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-ALGOS = ("grpo", "sdpo")
 DIAGNOSTICS = {"reward/success_rate": "training success",
                "sdpo/groups_with_success": "groups with a success",
                "sdpo/success_with_successful_sibling": "success, with a successful sibling",
@@ -90,6 +92,21 @@ def mean_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[int, float, 
     return out
 
 
+def compare(summary: dict) -> str:
+    """Each algorithm's mean final eval success and its spread over seeds and, after the first
+    (the baseline), the generations it needs to reach the baseline's final over the baseline's total."""
+    base, *others = summary
+    base_final, base_gens = summary[base][-1][1], summary[base][-1][0]
+    fields = []
+    for algo in summary:
+        _, final, lo, hi = summary[algo][-1]
+        fields += [f"{algo}_final={final:.3f}", f"{algo}_final_spread={hi - lo:.3f}"]
+        if algo != base:
+            ratio = gens_to_reach([(g, m) for g, m, _, _ in summary[algo]], base_final) / base_gens
+            fields.append(f"{algo}_gens_to_match_{base}_final_ratio={ratio:.3f}")
+    return " ".join(fields)
+
+
 def diagnostics(runs: list[list[dict]]) -> dict:
     """{metric: (mean over the first quarter of steps, over the last)}, averaged over runs,
     for the DIAGNOSTICS metrics the runs logged."""
@@ -136,7 +153,12 @@ def main():
     parser.add_argument("--eval_every", type=int, default=10)
     parser.add_argument("--out", default="runs/bench-learning")
     parser.add_argument("--launcher", default=sys.executable, help="e.g. 'torchrun --nproc_per_node=4'")
+    parser.add_argument("--algos", default="grpo,sdpo", help="rows of objectives.OBJECTIVES; the first is the baseline")
     args, extra = parser.parse_known_args()
+    import objectives
+    algos = args.algos.split(",")
+    if unknown := [a for a in algos if a not in objectives.OBJECTIVES]:
+        parser.error(f"--algos: unknown {unknown}; choose from {sorted(objectives.OBJECTIVES)}")
     launcher = shlex.split(args.launcher)
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
@@ -151,7 +173,7 @@ def main():
         cfg = run.parse_config(task_flags)
         gens_per_step = cfg.train.prompts_per_step * cfg.rollout.n
         curves, records_of = {}, {}
-        for algo in ALGOS:
+        for algo in algos:
             curves[algo], records_of[algo] = [], []
             for seed in range(args.seeds):
                 flags = task_flags + [f"--model.path={start}", f"--algo={algo}", f"--train.seed={seed}",
@@ -167,15 +189,11 @@ def main():
         for algo, points in summary.items():
             cells = ", ".join(f"{g}: {m:.3f} [{lo:.3f}, {hi:.3f}]" for g, m, lo, hi in points)
             table.append(f"| {name} | {algo} | {cells} |")
-        for algo in ALGOS:
+        for algo in algos:
             found = diagnostics(records_of[algo])
             cells = [f"{found[k][0]:.3f} -> {found[k][1]:.3f}" if k in found else "" for k in DIAGNOSTICS]
             diag_table.append(f"| {name} | {algo} | " + " | ".join(cells) + " |")
-        (_, grpo_final, grpo_lo, grpo_hi), (_, sdpo_final, sdpo_lo, sdpo_hi) = summary["grpo"][-1], summary["sdpo"][-1]
-        ratio = gens_to_reach([(g, m) for g, m, _, _ in summary["sdpo"]], grpo_final) / summary["grpo"][-1][0]
-        results.append(f"RESULT task={name} grpo_final={grpo_final:.3f} sdpo_final={sdpo_final:.3f} "
-                       f"sdpo_gens_to_match_grpo_final_ratio={ratio:.3f} "
-                       f"grpo_final_spread={grpo_hi - grpo_lo:.3f} sdpo_final_spread={sdpo_hi - sdpo_lo:.3f}")
+        results.append(f"RESULT task={name} " + compare(summary))
     diag_note = "Per-group diagnostics of the training batches, first quarter of the steps -> last quarter:"
     with open(os.path.join(args.out, "learning.md"), "w") as f:
         f.write("\n".join(table) + "\n\n" + diag_note + "\n\n" + "\n".join(diag_table) + "\n\n"

@@ -1,4 +1,4 @@
-"""Step time of SDPO against GRPO on the default job, and of the asynchronous mode
+"""Step time of SDPO (and DPO) against GRPO on the default job, and of the asynchronous mode
 (--train.off_policy_steps 1) against the synchronous loop; same seeds and steps, back to back.
 
     python bench/step.py [--steps 8] [extra run.py flags ...]
@@ -23,8 +23,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPLIT = ["time/rollout_s", "time/teacher_s", "time/train_s", "sync/seconds", "time/wait_rollout_s",
-         "time/wait_sync_s", "time/step_s"]
+SPLIT = ["time/rollout_s", "time/teacher_s", "time/reference_s", "time/train_s", "sync/seconds",
+         "time/wait_rollout_s", "time/wait_sync_s", "time/step_s"]
 MODES = {"sync": [], "async": ["--train.off_policy_steps=1"]}
 
 
@@ -40,13 +40,18 @@ def run(algo: str, steps: int, extra: list[str], out_dir: str) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--algos", default="grpo,sdpo,dpo", help="synchronous rows; the ratios are to grpo")
+    parser.add_argument("--async_algos", default="grpo,sdpo", help="also with --train.off_policy_steps 1")
     args, extra = parser.parse_known_args()
     tmp = tempfile.mkdtemp(prefix="bench-step-")
     # Build (or find) the cached warm start outside the timed runs.
     run("grpo", 1, extra, os.path.join(tmp, "prime"))  # builds the tiny model and its warm start, if missing
     means = {}
-    for algo in ("grpo", "sdpo"):
+    algos, async_algos = args.algos.split(","), args.async_algos.split(",")
+    for algo in dict.fromkeys(algos + async_algos):
         for mode, flags in MODES.items():
+            if algo not in (algos if mode == "sync" else async_algos):
+                continue
             records = run(algo, args.steps, extra + flags, os.path.join(tmp, f"{algo}-{mode}"))
             records = records[2:] if mode == "async" else records[1:]
             m = {k: sum(r.get(k, 0.0) for r in records) / len(records) for k in SPLIT}
@@ -59,16 +64,20 @@ def main():
     step = lambda algo, mode: means[algo, mode]["time/step_s"]
     print("projection, engine and trainer on a device each (from the sync rows: "
           "async step = max(rollout, teacher + train) + sync):")
-    for algo in ("grpo", "sdpo"):
+    for algo in algos:
         m = means[algo, "sync"]
         projected = max(m["time/rollout_s"], m["time/teacher_s"] + m["time/train_s"]) + m["sync/seconds"]
         print(f"  {algo}: {projected:.3f} s vs {m['time/step_s']:.3f} s synchronous "
               f"({projected / m['time/step_s']:.3f}x)")
-    print(f"RESULT sdpo_over_grpo_step_time={step('sdpo', 'sync') / step('grpo', 'sync'):.3f}")
-    print(f"RESULT grpo_async_over_sync_step_time={step('grpo', 'async') / step('grpo', 'sync'):.3f}")
-    print(f"RESULT async_over_sync_step_time={step('sdpo', 'async') / step('sdpo', 'sync'):.3f} "
-          f"wait_rollout_s={means['sdpo', 'async']['time/wait_rollout_s']:.3f} "
-          f"wait_sync_s={means['sdpo', 'async']['time/wait_sync_s']:.3f}")
+    if "grpo" in algos:
+        print("RESULT " + " ".join(f"{algo}_over_grpo_step_time={step(algo, 'sync') / step('grpo', 'sync'):.3f}"
+                                   for algo in algos if algo != "grpo"))
+    if "grpo" in async_algos and "grpo" in algos:
+        print(f"RESULT grpo_async_over_sync_step_time={step('grpo', 'async') / step('grpo', 'sync'):.3f}")
+    if "sdpo" in async_algos and "sdpo" in algos:
+        print(f"RESULT async_over_sync_step_time={step('sdpo', 'async') / step('sdpo', 'sync'):.3f} "
+              f"wait_rollout_s={means['sdpo', 'async']['time/wait_rollout_s']:.3f} "
+              f"wait_sync_s={means['sdpo', 'async']['time/wait_sync_s']:.3f}")
 
 
 if __name__ == "__main__":
