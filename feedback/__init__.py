@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import numbers
 import os
+import re
 import sys
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -57,25 +58,40 @@ def cut(text: str, limit: int, keep: str = "head") -> str:
     return text[:limit - 3] + "..."
 
 
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """Control characters other than newline and tab written as \\xNN escapes (and CRLF as a
+    newline): program output may hold NULs, ANSI escapes, form feeds, and none of it should reach
+    a log or a teacher context as such. Idempotent."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text.replace("\r\n", "\n"))
+
+
 def show_field(text: str, limit: int = FIELD_CHARS) -> str:
-    """A field for display: cut, and "(empty)" for an empty string so that it stays visible."""
-    return cut(text, limit) if text else "(empty)"
+    """A field for display: printable, cut, and "(empty)" for an empty string so that it stays visible."""
+    return cut(printable(text), limit) if text else "(empty)"
 
 
-def wrong_answer_feedback(failures: list[tuple[str, str, str]], n_tests: int,
+def io_fields(inp: str, out: str, expected: str) -> list[tuple[str, str]]:
+    """The usual fields of a failed test."""
+    return [("Input", inp), ("Output", out), ("Expected", expected)]
+
+
+def wrong_answer_feedback(failures: list[list[tuple[str, str]]], n_tests: int,
                           field_chars: int = FIELD_CHARS, total_chars: int = TOTAL_CHARS) -> str:
-    """LeetCode-style text for failing tests. `failures` = (input, output, expected) for *all*
-    failing tests, already sorted shortest input first; the first MAX_SHOWN_FAILURES are shown."""
+    """LeetCode-style text for failing tests. `failures` = the (label, text) fields of *all*
+    failing tests (io_fields for most), already sorted shortest input first; the first
+    MAX_SHOWN_FAILURES are shown."""
     parts = [f"Wrong Answer: {len(failures)} of {n_tests} tests failed."]
-    for inp, out, exp in failures[:MAX_SHOWN_FAILURES]:
-        parts.append(f"Input:\n{show_field(inp, field_chars)}\nOutput:\n{show_field(out, field_chars)}\n"
-                     f"Expected:\n{show_field(exp, field_chars)}")
+    for fields in failures[:MAX_SHOWN_FAILURES]:
+        parts.append("\n".join(f"{label}:\n{show_field(text, field_chars)}" for label, text in fields))
     return cut("\n\n".join(parts), total_chars)
 
 
-def shortest_first(tests: list[dict]) -> list[int]:
-    """Test indices ordered by input length, ties by position: the order failures are shown in."""
-    return sorted(range(len(tests)), key=lambda i: (len(tests[i]["input"]), i))
+def shortest_first(tests: list[dict], size: Callable[[dict], int] = lambda t: len(t["input"])) -> list[int]:
+    """Test indices ordered by input size, ties by position: the order failures are shown in."""
+    return sorted(range(len(tests)), key=lambda i: (size(tests[i]), i))
 
 
 # -----------------------------------------------------------------------------

@@ -1,33 +1,71 @@
-"""Code reward: run the model's Python program against stdin/stdout unit tests in a sandbox.
+"""Code reward: run the model's Python program against a row's tests in the sandbox.
 
-Binary score: 1.0 only if every test passes. Feedback LeetCode-style (SPEC 7): a single error if
-any (format error, compile error, runtime error, time limit, memory limit), else up to two
-failing tests, shortest input first, with input, output and expected; fields cut to 250 chars
-and the whole text to 2000. Tests run shortest input first and stop at the first error, so the
-reported error is the one of the shortest erroring test. What the sandbox does and does not
-contain is documented in feedback/sandbox.py.
+A row's `tests` is a list; each test is one of
+    {"input": str, "output": str}                          stdin -> stdout (compared after
+                                                            normalize_output)
+    {"fn": str, "args": list, "kwargs": dict, "expected": v, "tol": float (optional)}
+                                                            call fn(*args, **kwargs), compare the
+                                                            returned value with values_equal
+    {"fn": str, "assert": str}                              run the test code, in which `candidate`
+                                                            and fn's own name call the program's
+                                                            function; it passes if the code runs
+                                                            to its end (HumanEval's check(candidate))
+`fn` may be `Solution.method`: a fresh `Solution()` per call (LeetCode / LiveCodeBench
+"functional" tests). Function-call and assert tests import the program as a module named
+`solution` (its `if __name__ == "__main__":` block does not run).
+
+Binary score: 1.0 only if every test passes. Feedback LeetCode-style (SPEC 7): a single error
+if any (format, compile, runtime error, a limit), else up to two failing tests, smallest input
+first, with input, output and expected (for assert tests: the failed line, the last call and
+what it returned); fields cut to 250 chars, the whole text to 2000, control characters escaped.
+Tests run smallest input first and stop at the first error, so the reported error is the one
+of the smallest erroring test. What the sandbox guarantees is in feedback/sandbox.py.
 """
 
 from __future__ import annotations
 
-import re
+import json
+import math
 import signal
 
-from feedback import (FIELD_CHARS, TOTAL_CHARS, Reward, cut, shortest_first, show_field, truncated_reward,
-                      wrong_answer_feedback)
+from feedback import (FIELD_CHARS, TOTAL_CHARS, Reward, cut, io_fields, printable, shortest_first, show_field,
+                      truncated_reward, wrong_answer_feedback)
+from feedback.harness import call_text
 from feedback.sandbox import Limits, RunResult, run_tests
 
 FORMAT_FEEDBACK = "Format Error: no code found. Put your solution in a ```python code block."
+FENCE = "```"
+LANGS = ("python", "py", "python3")
+_LANG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_+-")
 
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """(language, code) of every ```lang ... ``` block, in one left-to-right pass (linear time: a
+    regex with a lazy body is quadratic on unclosed fences). An opening fence is ``` then an info
+    line (its leading [A-Za-z0-9_+-] run is the language); the block ends at the next ```."""
+    blocks, pos = [], 0
+    while (start := text.find(FENCE, pos)) >= 0:
+        newline = text.find("\n", start + 3)
+        if newline < 0:
+            break
+        close = text.find(FENCE, newline + 1)
+        if close < 0:  # no later fence can close either: every later search starts further on
+            break
+        info = text[start + 3:newline].lstrip(" \t")
+        n = 0
+        while n < len(info) and info[n] in _LANG_CHARS:
+            n += 1
+        blocks.append((info[:n], text[newline + 1:close]))
+        pos = close + 3
+    return blocks
 
 
 def extract_code(response: str) -> str | None:
     """The last ```python fenced block, else the last fenced block without a language, else the
     whole response if it is valid Python; None if there is no code."""
-    blocks = _FENCE.findall(response)
-    for lang in (("python", "py", "python3"), ("",)):
-        chosen = [code for tag, code in blocks if tag.lower() in lang]
+    blocks = fenced_blocks(response)
+    for langs in (LANGS, ("",)):
+        chosen = [code for lang, code in blocks if lang.lower() in langs]
         if chosen:
             return chosen[-1] if chosen[-1].strip() else None
     if response.strip() and _compile_error(response) is None:
@@ -49,43 +87,114 @@ def normalize_output(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
 
 
+def values_equal(got, expected, tol: float | None = None) -> bool:
+    """Returned value vs expected: tuples and lists are the same (JSON has no tuples), dicts
+    compare key by key, a bool only equals a bool; numbers compare with == unless `tol` is given,
+    then floats within tol, absolute or relative (math.isclose)."""
+    if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
+        return len(got) == len(expected) and all(values_equal(g, e, tol) for g, e in zip(got, expected))
+    if isinstance(got, dict) and isinstance(expected, dict):
+        return got.keys() == expected.keys() and all(values_equal(got[k], expected[k], tol) for k in got)
+    if isinstance(got, bool) or isinstance(expected, bool):
+        return type(got) is type(expected) and got == expected
+    if isinstance(got, (int, float)) and isinstance(expected, (int, float)):
+        return got == expected if tol is None else math.isclose(got, expected, rel_tol=tol, abs_tol=tol)
+    return type(got) is type(expected) and got == expected
+
+
+def test_size(test: dict) -> int:
+    """What "shortest input first" means for each kind of test."""
+    if "input" in test:
+        return len(test["input"])
+    if "assert" in test:
+        return len(test["assert"])
+    return len(json.dumps([test.get("args", []), test.get("kwargs") or {}], default=repr))
+
+
+def _shown_input(test: dict) -> str | None:
+    if "input" in test:
+        return test["input"].rstrip("\n")
+    if "assert" in test:
+        return None
+    return call_text(test["fn"], list(test.get("args", [])), dict(test.get("kwargs") or {}))
+
+
 def _error_feedback(title: str, detail: str, inp: str | None) -> str:
     parts = [title]
     if detail:
-        parts.append(cut(detail, FIELD_CHARS, keep="tail"))
+        parts.append(cut(printable(detail), FIELD_CHARS, keep="tail"))
     if inp is not None:
-        parts.append("Input:\n" + show_field(inp.rstrip("\n")))
+        parts.append("Input:\n" + show_field(inp))
     return cut("\n".join(parts), TOTAL_CHARS)
 
 
-def _stderr_tail(stderr: str, lines: int = 10) -> str:
-    return "\n".join(stderr.strip().splitlines()[-lines:])
+def _tail(text: str, lines: int = 10) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
 
 
 def classify(r: RunResult, limits: Limits) -> tuple[str, str] | None:
-    """(title, detail) for a run that did not exit cleanly, None for a clean exit."""
-    tail = _stderr_tail(r.stderr)
+    """(title, detail) for a run that ended badly, naming the limit that fired; None otherwise."""
+    exc = r.exception or r.load_error
+    tail = _tail(exc["traceback"] or f"{exc['type']}: {exc['message']}") if exc else _tail(r.stderr)
     last = tail.splitlines()[-1] if tail else ""
-    if r.timed_out or r.returncode == -signal.SIGXCPU or (
+    if r.limit == "cpu" or r.returncode == -signal.SIGXCPU or (
             r.returncode == -signal.SIGKILL and r.cpu_seconds >= limits.cpu_seconds - 0.1):
-        return "Time Limit Exceeded", f"The program did not finish within the time limit of {limits.cpu_seconds:g} s."
-    if r.returncode == 0:
-        return None
-    if last.startswith("MemoryError"):
+        return "Time Limit Exceeded", f"The program used more than {limits.cpu_seconds:g} s of CPU time."
+    if r.limit == "idle":
+        return "Time Limit Exceeded", (f"The program spent more than {limits.idle_seconds:g} s neither running nor "
+                                       "ready to run (sleeping or waiting for something that never came).")
+    if r.limit == "wall":
+        return "Time Limit Exceeded", f"The program did not finish within {limits.max_wall_seconds:g} s."
+    if r.limit == "memory":
+        return "Memory Limit Exceeded", (f"The program's processes together used more than {limits.memory_mb} MiB "
+                                         "of memory.")
+    if r.limit == "output":
+        return "Output Limit Exceeded", f"The function returned a value larger than {limits.max_file_mb} MiB."
+    if last.startswith("MemoryError") or (exc and exc["type"] == "MemoryError"):
         return "Memory Limit Exceeded", f"The program tried to use more than {limits.memory_mb} MiB of memory."
     if "[Errno 27] File too large" in last:  # RLIMIT_FSIZE; Python ignores SIGXFSZ, so writes fail
         return "Output Limit Exceeded", f"The program wrote more than {limits.max_file_mb} MiB to a file or to stdout."
-    if r.returncode is not None and r.returncode < 0:
-        name = signal.Signals(-r.returncode).name if -r.returncode in signal.valid_signals() else str(-r.returncode)
-        hint = " (e.g. a too deep recursion)" if -r.returncode == signal.SIGSEGV else ""
-        return "Runtime Error", (tail + "\n" if tail else "") + f"The program was killed by signal {name}{hint}."
-    return "Runtime Error", tail or f"The program exited with code {r.returncode}."
+    if "[Errno 28] No space left on device" in last:
+        return "Disk Limit Exceeded", (f"The program wrote more than {limits.disk_mb} MiB to its directory and /tmp, "
+                                       f"or more than {limits.shm_mb} MiB to /dev/shm.")
+    if "[Errno 11] Resource temporarily unavailable" in last or "can't start new thread" in last:
+        return "Runtime Error", f"{tail}\nThe program may run at most {limits.max_procs} processes and threads."
+    if exc is not None:
+        return "Runtime Error", tail
+    if r.died or (r.returncode is not None and r.returncode != 0):
+        code = r.returncode
+        if code is not None and code < 0:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+            hint = " (e.g. a too deep recursion)" if -code == signal.SIGSEGV else ""
+            return "Runtime Error", (tail + "\n" if tail else "") + f"The program was killed by signal {name}{hint}."
+        ended = f"exited with code {code}" if code is not None else "ended"
+        return "Runtime Error", tail or (f"The program {ended} during the call." if r.died else f"The program {ended}.")
+    return None
 
 
-def code_reward(response: str, row: dict, truncated: bool, cpu_seconds: float = 5.0, wall_seconds: float = 6.0,
-                memory_mb: int = 512, max_procs: int = 64, max_file_mb: int = 16,
-                allow_network: bool = False) -> Reward:
-    """Score the response's program on row["tests"] ([{"input", "output"}], stdin -> stdout)."""
+def _failure_fields(r: RunResult, test: dict) -> list[tuple[str, str]] | None:
+    """The fields of a wrong answer, None if the test passed."""
+    if "input" in test:
+        out, expected = normalize_output(r.stdout), normalize_output(test["output"])
+        return None if out == expected else io_fields(test["input"].rstrip("\n"), out, expected)
+    if "assert" in test:
+        if r.passed:
+            return None
+        fields = [("Test", r.failure["line"] if r.failure else "")]
+        if r.failure and r.failure["message"]:
+            fields.append(("Error", r.failure["message"]))
+        if r.last_call:
+            fields += [("Last call", r.last_call.get("call", "")), ("Returned", r.last_call.get("returned", ""))]
+        return fields
+    if values_equal(r.value, test["expected"], test.get("tol")):
+        return None
+    return io_fields(_shown_input(test), repr(r.value), repr(test["expected"]))
+
+
+def code_reward(response: str, row: dict, truncated: bool, cpu_seconds: float = 5.0, idle_seconds: float = 5.0,
+                memory_mb: int = 512, max_procs: int = 64, max_file_mb: int = 16, disk_mb: int = 64,
+                shm_mb: int = 64, allow_network: bool = False) -> Reward:
+    """Score the response's program on row["tests"] (see the module docstring for their kinds)."""
     tests = row.get("tests")
     if not tests:
         raise ValueError("code reward needs row['tests']")
@@ -98,19 +207,22 @@ def code_reward(response: str, row: dict, truncated: bool, cpu_seconds: float = 
     if err is not None:
         return Reward(0.0, _error_feedback("Compile Error", err, None))
 
-    limits = Limits(cpu_seconds, wall_seconds, memory_mb, max_procs, max_file_mb, allow_network)
-    order = shortest_first(tests)
-    results = run_tests(code, [tests[i]["input"] for i in order], limits, stop_on_error=True)
+    limits = Limits(cpu_seconds=cpu_seconds, idle_seconds=idle_seconds, memory_mb=memory_mb, max_procs=max_procs,
+                    max_file_mb=max_file_mb, disk_mb=disk_mb, shm_mb=shm_mb, allow_network=allow_network)
+    order = shortest_first(tests, test_size)
+    results = run_tests(code, [tests[i] for i in order], limits, stop_on_error=True)
     failures = []
-    for i, r in zip(order, results):
+    for r in results:
+        test = tests[order[r.index]]
         if r.error:  # the sandbox broke: not the model's fault, so no feedback, just the error
             return Reward(0.0, "", f"sandbox: {r.error}")
         bad = classify(r, limits)
         if bad is not None:
-            return Reward(0.0, _error_feedback(bad[0], bad[1], tests[i]["input"]))
-        out, expected = normalize_output(r.stdout), normalize_output(tests[i]["output"])
-        if out != expected:
-            failures.append((tests[i]["input"].rstrip("\n"), out, expected))
+            inp = _shown_input(test) if "assert" not in test else r.last_call.get("call")
+            return Reward(0.0, _error_feedback(bad[0], bad[1], inp))
+        fields = _failure_fields(r, test)
+        if fields is not None:
+            failures.append(fields)
     if len(results) < len(order):  # cannot happen without an error above; guard against silent passes
         return Reward(0.0, "", f"sandbox returned {len(results)} results for {len(order)} tests")
     if not failures:

@@ -1,194 +1,402 @@
-"""Run an untrusted Python program against stdin test inputs, one fresh process per test.
+"""Run an untrusted Python program against tests, isolated from the machine that trains on it.
 
-Layout of one call to `run_tests(code, inputs)`:
+    trainer thread ── bwrap (namespaces, mounts) ── runner: harness.py, pid 1 of the sandbox
+                                                      └─ program, as an unprivileged uid
+                                                           └─ whatever it forks
 
-    parent (trainer, many threads)
-      └─ launcher: `sys.executable -I -S sandbox.py --launch <cfg>`   (root if we are root, 1 thread)
-           └─ program: `python -I solution.py` per test                (sandbox uid, limits applied)
-                └─ whatever the program forks
+One sandbox per `run_tests` call (one rollout's tests). bubblewrap (Debian package `bubblewrap`,
+the sandbox of Flatpak) builds it: new mount, pid, network, ipc and uts namespaces, so the
+program sees
 
-The launcher exists for two reasons. (1) It is single-threaded, so it can fork and run Python
-code between fork and exec safely (a `preexec_fn` in the multi-threaded trainer can deadlock).
-(2) It makes itself a *child subreaper* (prctl PR_SET_CHILD_SUBREAPER): processes the program
-orphans are re-parented to the launcher instead of PID 1, so the launcher can kill and reap
-every one of them before the next test. Otherwise orphans of a fork bomb stay zombies until PID 1
-reaps them: late on some VMs, never when the trainer itself is PID 1 (`docker run` without
---init), and zombies still count against RLIMIT_NPROC of the sandbox uid.
+    /usr, /lib*, /bin, the Python installation       read-only (the runtime)
+    /sandbox (its directory and HOME), /tmp, /var/tmp one tmpfs of disk_mb
+    /dev/shm                                          its own tmpfs of shm_mb
+    /proc, /dev                                       the sandbox's own (its processes only)
 
-What holds, per test (root = the trainer runs as uid 0, the usual case on a GPU box):
-- fresh process, fresh temp dir as cwd and HOME, removed after the test; env is only PATH, LANG,
-  HOME; `-I` isolated mode; stdin/stdout/stderr are files (no pipe deadlocks, output capped by
-  RLIMIT_FSIZE);
-- rlimits: CPU seconds (SIGXCPU, then SIGKILL one second later), address space, file size,
-  no core files, process count;
-- its own session/process group; a wall-clock deadline after which the group is SIGKILLed;
-  after every test, all descendants are killed and reaped (process group, the sandbox uid,
-  and the launcher's children via the subreaper);
-- root only: the program runs as a dedicated unprivileged uid from a pool (UID_BASE...), one uid
-  per concurrent sandbox (flock-ed), so RLIMIT_NPROC really limits it (root is exempt from
-  RLIMIT_NPROC), it cannot write to root-owned files/dirs (the repo, the data), and it cannot
-  signal or ptrace other processes. no_new_privs is set, so setuid binaries do not elevate.
-- root only, best effort: a new, empty network namespace (no network at all, loopback down);
-  `RunResult.network_isolated` says whether it worked (it fails e.g. under docker's default
-  seccomp profile).
+and nothing else: not the dataset, the project, the home directory, other sandboxes, sockets on
+disk; no network (not even loopback, nor abstract Unix sockets). Every tmpfs and every process
+disappears with the sandbox: the runner is pid 1 of the pid namespace, so when it exits the
+kernel kills whatever is left, and bwrap's --die-with-parent does the same if the trainer dies.
+Inside, feedback/harness.py runs each test in fresh processes and enforces the limits (see its
+docstring): CPU time of all processes together (the budget), idle time (catches sleepers, not
+busy machines), a wall-clock backstop, resident memory of all processes together, process
+count, file size. Expected outputs never enter the sandbox; the trainer compares.
 
-What does NOT hold (be honest about it):
-- world-writable places stay writable by the sandbox uid: /tmp, /var/tmp, /dev/shm. A program
-  can leave files there (each at most max_file_mb, but as many as it likes) and fill the disk;
-  they are not cleaned up (only its own temp dir is).
-- world-readable files stay readable (the repo source, dataset files if world-readable: a
-  program could in principle look for expected outputs on disk).
-- memory is limited per process (RLIMIT_AS), so the total is up to max_procs x memory_mb.
-- CPU: all sandboxes share the machine; a heavy neighbour can cause a spurious wall timeout.
-- no seccomp: every syscall is allowed; kernel bugs are out of scope.
-- not root: no uid switch, no network namespace; RLIMIT_NPROC then counts all processes of the
-  user, so we set it to (current count + max_procs); writes are stopped only by permissions.
-- the sandbox uid must be able to execute the interpreter: if sys.executable lives under a 0700
-  directory (pyenv under /root), a system python3 is used instead (a RuntimeWarning says so; its
-  version may differ and it lacks the trainer's site-packages); if none is usable, run_tests
-  fails closed with an error instead of running as root.
-- root is exempt from RLIMIT_NPROC (checked: a root child with RLIMIT_NPROC=5 forks 50 times),
-  which is why the uid switch matters.
+As root (the usual GPU box) the program runs as a uid of its own (UID_BASE.., one per concurrent
+sandbox, flock-ed) with no_new_privs, so RLIMIT_NPROC limits it (root is exempt) and it cannot
+signal or ptrace the runner (root inside, with CAP_SETUID/SETGID/KILL only). Without root,
+bwrap needs unprivileged user namespaces; the program then shares the runner's uid, which is
+safe because the runner is pid 1 (no signals from inside) and non-dumpable (no ptrace, no
+/proc/1/mem or fds), and because the whole sandbox is in a user namespace without capabilities.
 
-This file is also the launcher script, so it imports only the standard library.
+What does NOT hold, even with bubblewrap:
+- no seccomp filter: every system call is open, so kernel bugs are out of scope; as root the
+  program may create user namespaces of its own (more kernel surface, no new access);
+- memory is polled (every 10 ms), so a tree can overshoot by what it allocates in that time;
+  shared pages of forked processes count once per process; tmpfs contents are RAM on top of
+  memory_mb (bounded by disk_mb + shm_mb);
+- the tests of one call share /sandbox, /tmp and /dev/shm (each test has a fresh process and
+  working directory): a program can pass notes from one test to the next;
+- without root, RLIMIT_NPROC counts the trainer's own processes too: the limit is set that many
+  above max_procs.
+
+Without bubblewrap (or where namespaces are not allowed, e.g. docker's default seccomp
+profile) the sandbox is *weak*: no filesystem isolation (world-readable files, the dataset
+included, are readable; /tmp and /dev/shm are shared and unbounded), no pid namespace (cleanup
+by process tree and uid), no network isolation, and without root not even a separate uid.
+`isolation()` says which; `require_isolation` refuses to go on unless the user accepts it
+(`--data.allow_weak_sandbox=True`), and says so once, loudly.
 """
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import json
-import math
 import os
 import pwd
-import resource
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
-# Pool of uids the sandboxed programs run as (when we are root). One uid per concurrent sandbox,
-# so a fork bomb in one sandbox cannot use up the process budget of another. Uids that belong to
-# a real account (in the passwd database) are skipped.
+from feedback.harness import decode_value, encode_value
+
+# Uids the programs run as when we are root, one per concurrent sandbox, so that one program's
+# process budget (RLIMIT_NPROC counts per uid) is its own. Uids of real accounts are skipped.
 UID_BASE = 62000
 UID_COUNT = 256
-
-PR_SET_CHILD_SUBREAPER = 36
-PR_SET_NO_NEW_PRIVS = 38
-CLONE_NEWNET = 0x40000000
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
+ROOT = "/sandbox"  # the program's writable directory, inside the sandbox
+HARNESS_INSIDE = "/opt/sdpo/harness.py"
+MIN_BWRAP = (0, 8)  # --size (0.7) and --perms (0.8) for tmpfs mounts
+RUNNER_TASKS = 4  # the runner's own threads, counted by RLIMIT_NPROC when it shares the program's uid
 
 
 @dataclass
 class Limits:
-    cpu_seconds: float = 5.0  # RLIMIT_CPU (rounded up to whole seconds)
-    wall_seconds: float = 6.0  # wall clock per test, then SIGKILL to the process group
-    memory_mb: int = 512  # RLIMIT_AS per process
-    max_procs: int = 64  # RLIMIT_NPROC (processes + threads of the sandbox uid)
-    max_file_mb: int = 16  # RLIMIT_FSIZE: any file written, stdout/stderr included
-    allow_network: bool = False  # False: new empty network namespace (root only)
+    cpu_seconds: float = 5.0  # CPU time of all the program's processes together, per test: the budget
+    idle_seconds: float = 5.0  # time with no thread of the program running or runnable (sleep, waits)
+    max_wall_seconds: float = 120.0  # per test; a backstop that only a badly overloaded machine reaches
+    memory_mb: int = 512  # resident memory of all its processes together (and RLIMIT_AS of each)
+    max_procs: int = 64  # processes + threads (RLIMIT_NPROC)
+    max_file_mb: int = 16  # any one file it writes, stdout and stderr included (RLIMIT_FSIZE)
+    disk_mb: int = 64  # its directory, /tmp and /var/tmp together (a tmpfs)
+    shm_mb: int = 64  # /dev/shm (a tmpfs)
+    allow_network: bool = False
 
 
 @dataclass
 class RunResult:
-    stdout: str
-    stderr: str
-    returncode: int | None  # negative: killed by that signal; None: never ran
-    timed_out: bool = False  # hit the wall-clock deadline
-    cpu_seconds: float = 0.0  # user + system time of the program's main process
+    """One test's run. Which fields are set depends on the test's kind (stdin, call, assert)."""
+    index: int  # position of the test in the list given to run_tests
+    stdout: str = ""
+    stderr: str = ""
+    returncode: int | None = None  # the program's exit (negative: killed by that signal); None: n/a
+    limit: str = ""  # the limit that stopped it: "cpu", "idle", "wall", "memory", "output"; "" none
+    cpu_seconds: float = 0.0
     wall_seconds: float = 0.0
-    pid: int = 0  # pid of the program = its process group id (for checks that it is gone)
-    uid: int | None = None  # uid it ran as; None = our own uid
-    network_isolated: bool = False
-    error: str = ""  # the sandbox itself failed (not the program's fault)
+    value: object = None  # call tests: the returned value, as plain data
+    has_value: bool = False
+    exception: dict | None = None  # the program raised: {"type", "message", "traceback"}
+    load_error: dict | None = None  # the program raised while being loaded (call and assert tests)
+    died: bool = False  # the program's process ended (or was killed) during a call
+    passed: bool = False  # assert tests: the test code ran to its end
+    failure: dict | None = None  # assert tests: {"line", "message"} of the failed assertion
+    last_call: dict = field(default_factory=dict)  # assert tests: {"call", "returned"} of the last call
+    error: str = ""  # the sandbox failed (not the program's fault)
+
+
+class SandboxUnavailable(RuntimeError):
+    pass
 
 
 # -----------------------------------------------------------------------------
-# parent side
+# what this machine can enforce
 
 
-def run_tests(code: str, inputs: list[str], limits: Limits | None = None,
-              stop_on_error: bool = True) -> list[RunResult]:
-    """Run `code` once per input (stdin), in order. With stop_on_error, stop after the first test
-    that exits non-zero, is killed or times out (its result is the last one returned).
-    Never raises for problems of the program; a broken sandbox gives results with .error set."""
-    limits = limits or Limits()
-    if not inputs:
-        return []
-    uid, lock_fd, wd = None, None, None
+@dataclass(frozen=True)
+class Isolation:
+    bwrap: str | None  # bubblewrap, when it runs a sandbox here; None: weak sandbox
+    root: bool
+    problems: tuple[str, ...]  # guarantees that do not hold here (empty when isolated)
+
+    @property
+    def isolated(self) -> bool:
+        return self.bwrap is not None
+
+
+_probe_lock = threading.Lock()
+_isolation: Isolation | None = None
+_weak_accepted = False
+_announced = False
+
+
+def isolation() -> Isolation:
+    """Probed once per process: whether bubblewrap builds a sandbox here."""
+    global _isolation
+    with _probe_lock:
+        if _isolation is None:
+            _isolation = _probe()
+        return _isolation
+
+
+def _probe() -> Isolation:
+    root = os.geteuid() == 0
+    bwrap = shutil.which("bwrap")
+    why = "bubblewrap is not installed (apt-get install bubblewrap)"
+    version = _bwrap_version(bwrap) if bwrap else None
+    if version is not None and version < MIN_BWRAP:
+        why = (f"bubblewrap {'.'.join(map(str, version))} is older than {'.'.join(map(str, MIN_BWRAP))}, "
+               "which sizes and modes tmpfs mounts (Ubuntu 22.04 ships 0.6: install a newer one)")
+    elif bwrap is not None:
+        try:
+            out = _run_job(Isolation(bwrap, root, ()), Limits(), _job("", [], None, ROOT, 0, False), 60)
+            if out.returncode == 0:
+                return Isolation(bwrap, root, ())
+            why = f"bubblewrap cannot build a sandbox here: {out.stderr.strip()[-500:] or f'exit {out.returncode}'}"
+        except (OSError, subprocess.SubprocessError) as e:
+            why = f"bubblewrap cannot build a sandbox here: {e}"
+        if not root:
+            why += " (without root it needs unprivileged user namespaces)"
+    problems = [why,
+                "programs can read every world-readable file, the dataset included (and print the expected outputs)",
+                "programs can leave files in /tmp, /var/tmp and /dev/shm, with no size limit, and see other sandboxes' files",
+                "programs are not in a pid namespace (leftover processes are found by process tree and uid)",
+                "programs have the machine's network"]
+    if not root:
+        problems.append("programs run as your own user: they can read your processes' environments (API keys), "
+                        "signal them and write your files")
+    return Isolation(None, root, tuple(problems))
+
+
+def _bwrap_version(bwrap: str) -> tuple[int, ...] | None:
     try:
-        if os.geteuid() == 0:
+        out = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return tuple(int(x) for x in out.split()[-1].split(".")[:2])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def _announce(iso: Isolation) -> None:
+    global _announced
+    if not _announced:
+        _announced = True
+        text = "weak code sandbox, accepted by --data.allow_weak_sandbox:\n  - " + "\n  - ".join(iso.problems)
+        print("\n" + "!" * 80 + "\nWARNING: " + text + "\n" + "!" * 80 + "\n", file=sys.stderr, flush=True)
+        warnings.warn(text, RuntimeWarning, stacklevel=3)
+
+
+def accept_weak_sandbox() -> None:
+    """Run programs even where the sandbox cannot isolate them (says so once, loudly)."""
+    global _weak_accepted
+    _weak_accepted = True
+    iso = isolation()
+    if not iso.isolated:
+        _announce(iso)
+
+
+def require_isolation(allow_weak: bool) -> Isolation:
+    """At start-up of a run that executes model-written code: raise SandboxUnavailable, naming
+    what cannot be enforced, unless the sandbox is isolated or `allow_weak`."""
+    iso = isolation()
+    if not iso.isolated:
+        if not allow_weak:
+            raise SandboxUnavailable(_refusal(iso))
+        accept_weak_sandbox()
+    return iso
+
+
+def _refusal(iso: Isolation) -> str:
+    return ("the code sandbox cannot isolate programs here:\n  - " + "\n  - ".join(iso.problems) +
+            "\nInstall bubblewrap (apt-get install bubblewrap; without root it also needs unprivileged user "
+            "namespaces), or pass --data.allow_weak_sandbox=True to run model-written code anyway.")
+
+
+# -----------------------------------------------------------------------------
+# running tests
+
+
+def run_tests(code: str, tests: list[dict], limits: Limits | None = None,
+              stop_on_error: bool = True) -> list[RunResult]:
+    """Run `code` against `tests`, in order, in one sandbox. A test is {"input": str} (stdin; the
+    trainer compares stdout), {"fn", "args", "kwargs"} (a call; consecutive ones share one program
+    process) or {"fn", "assert"} (test code calling `candidate`). With stop_on_error, stop after
+    the first test that errors, is killed or, for assert tests, fails. Never raises for problems
+    of the program; a broken sandbox gives a result with .error set. Raises SandboxUnavailable
+    if the sandbox is weak and that was not accepted."""
+    limits = limits or Limits()
+    if not tests:
+        return []
+    iso = isolation()
+    if not iso.isolated and not _weak_accepted:
+        raise SandboxUnavailable(_refusal(iso))
+    uid, lock_fd, root_dir = None, None, ROOT
+    try:
+        if iso.root:
             uid, lock_fd = _acquire_uid()
-        wd = tempfile.mkdtemp(prefix="sdpo-sandbox-")
-        python = _sandbox_python(uid)
+        if iso.isolated:
+            nproc_base = 0 if iso.root else _tasks_of_uid(os.getuid()) + RUNNER_TASKS
+        else:
+            root_dir = tempfile.mkdtemp(prefix="sdpo-sandbox-")
+            os.chmod(root_dir, 0o1733 if uid is not None else 0o700)  # the uid may create, not list
+            nproc_base = 0 if uid is not None else _tasks_of_uid(os.getuid()) + RUNNER_TASKS
+        python = sys.executable if iso.isolated or uid is None else _weak_python(uid)
         if python is None:
-            err = ("no Python interpreter is executable by the sandbox uid "
-                   f"{uid} (sys.executable={sys.executable!r} is not reachable by it, no python3 in "
-                   f"{SAFE_PATH}); install a system python3 or make the interpreter world-readable")
-            return [RunResult("", "", None, uid=uid, error=err)]
-        # wd: root-owned, traversable but not listable by the program; the solution file is readable
-        # by it, the per-test stdin/stdout/stderr files are not (the program only gets their fds).
-        os.chmod(wd, 0o711)
-        solution = os.path.join(wd, "solution.py")
-        with open(solution, "w", encoding="utf-8") as f:
-            f.write(code)
-        os.chmod(solution, 0o644)
-        for i, text in enumerate(inputs):
-            with open(os.path.join(wd, f"in_{i}.txt"), "w", encoding="utf-8") as f:
-                f.write(text)
-        cfg = dict(wd=wd, n=len(inputs), python=python, uid=uid, stop_on_error=stop_on_error,
-                   cpu_seconds=limits.cpu_seconds, wall_seconds=limits.wall_seconds,
-                   memory_mb=limits.memory_mb, max_procs=limits.max_procs,
-                   max_file_mb=limits.max_file_mb, allow_network=limits.allow_network)
-        launcher = subprocess.Popen(
-            [sys.executable, "-I", "-S", os.path.abspath(__file__), "--launch", json.dumps(cfg)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, cwd=wd)
-        # the launcher enforces the per-test deadlines; this outer one only catches a hung launcher
-        budget = len(inputs) * (limits.wall_seconds + 5.0) + 30.0
-        try:
-            out, err = launcher.communicate(timeout=budget)
-        except subprocess.TimeoutExpired:
-            _killpg(launcher.pid)
-            out, err = launcher.communicate()
-            return [RunResult("", "", None, uid=uid, error=f"sandbox launcher hung for {budget:.0f} s")]
-        try:
-            raw = json.loads(out.decode().strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            tail = err.decode(errors="replace").strip()[-1000:]
-            return [RunResult("", "", None, uid=uid,
-                              error=f"sandbox launcher failed (exit {launcher.returncode}): {tail}")]
-        results = []
-        cap = limits.max_file_mb << 20
-        for i, r in enumerate(raw):
-            stdout = _read(os.path.join(wd, f"out_{i}.txt"), cap)
-            # tracebacks name the solution by its absolute temp path; make the text deterministic
-            stderr = _read(os.path.join(wd, f"err_{i}.txt"), cap).replace(wd + os.sep, "")
-            results.append(RunResult(stdout, stderr, r["returncode"], r["timed_out"], r["cpu"], r["wall"],
-                                     r["pid"], uid, r["network_isolated"], r["error"]))
+            return [RunResult(0, error=f"no Python interpreter is executable by the sandbox uid {uid} "
+                                       f"({sys.executable!r} is not reachable by it, no python3 in {SAFE_PATH})")]
+        job = _job(code, tests, uid, root_dir, nproc_base, stop_on_error, python, limits)
+        budget = len(tests) * (limits.max_wall_seconds + 10) + 60  # the runner's own limits come first
+        out = _run_job(iso, limits, job, budget, cwd=None if iso.isolated else root_dir)
+        results = [_result(r) for r in out.results]
+        if not results and out.returncode != 0:
+            tail = out.stderr.strip()[-1000:]
+            return [RunResult(0, error=out.error or f"sandbox runner failed (exit {out.returncode}): {tail}")]
         return results
     finally:
-        if wd is not None:
-            _rmtree(wd)
+        if root_dir != ROOT:
+            _rmtree(root_dir)
         if lock_fd is not None:
-            os.close(lock_fd)  # releases the uid's flock
+            os.close(lock_fd)  # releases the uid
 
 
-def _read(path: str, cap: int) -> str:
+def _job(code: str, tests: list[dict], uid: int | None, root_dir: str, nproc_base: int, stop_on_error: bool,
+         python: str = sys.executable, limits: Limits | None = None) -> dict:
+    """The runner's job: the tests grouped by kind (consecutive call tests share a process)."""
+    groups: list[dict] = []
+    for i, t in enumerate(tests):
+        if "input" in t:
+            groups.append({"kind": "stdio", "input": t["input"], "indices": [i]})
+        elif "assert" in t:
+            groups.append({"kind": "assert", "fn": t["fn"], "assert": t["assert"], "indices": [i]})
+        else:
+            call = {"fn": t["fn"], "args": encode_value(list(t.get("args", []))), "kwargs": encode_value(dict(t.get("kwargs") or {}))}
+            if groups and groups[-1]["kind"] == "calls":
+                groups[-1]["calls"].append(call)
+                groups[-1]["indices"].append(i)
+            else:
+                groups.append({"kind": "calls", "calls": [call], "indices": [i]})
+    return {"code": code, "tests": groups, "uid": uid, "root_dir": root_dir, "nproc_base": nproc_base,
+            "stop_on_error": stop_on_error, "python": python,
+            "harness": HARNESS_INSIDE if root_dir == ROOT else HARNESS, "limits": asdict(limits or Limits())}
+
+
+def _result(r: dict) -> RunResult:
+    res = RunResult(r["index"], r.get("stdout", ""), r.get("stderr", ""), r.get("returncode"), r.get("limit") or "",
+                    r.get("cpu", 0.0), r.get("wall", 0.0), exception=r.get("exception"),
+                    load_error=r.get("load_error"), died=bool(r.get("died")), passed=bool(r.get("passed")),
+                    failure=r.get("failure"), last_call=r.get("last_call") or {}, error=r.get("error", ""))
+    if "value" in r:
+        try:
+            res.value, res.has_value = decode_value(r["value"]), True
+        except (ValueError, TypeError, RecursionError) as e:
+            res.exception = {"type": "ValueError", "message": f"unreadable return value: {e}", "traceback": ""}
+    return res
+
+
+@dataclass
+class _JobOutput:
+    returncode: int | None
+    stderr: str
+    results: list[dict]
+    error: str = ""
+
+
+def _run_job(iso: Isolation, limits: Limits, job: dict, timeout: float, cwd: str | None = None) -> _JobOutput:
+    """Start the runner (inside bwrap when isolated) with the job on one fd and a results fd;
+    wait for it, at most `timeout` seconds."""
+    job_fd = os.memfd_create("sdpo-job")
+    out_fd = os.memfd_create("sdpo-results")
     try:
-        with open(path, "rb") as f:
-            return f.read(cap).decode("utf-8", errors="replace")
-    except OSError:
-        return ""
+        os.write(job_fd, json.dumps(job).encode())
+        os.lseek(job_fd, 0, os.SEEK_SET)
+        # the runner needs only the standard library (-S: no site-packages, a faster start)
+        runner = [sys.executable, "-I", "-S", job["harness"], "--job", str(job_fd), "--out", str(out_fd)]
+        argv = _bwrap_argv(iso, limits) + runner if iso.isolated else runner
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                pass_fds=(job_fd, out_fd), start_new_session=True, cwd=cwd or "/",
+                                env={"PATH": SAFE_PATH, "LANG": "C.UTF-8"})
+        error = ""
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _killpg(proc.pid)
+            _, err = proc.communicate()
+            error = f"sandbox runner hung for {timeout:.0f} s"
+        os.lseek(out_fd, 0, os.SEEK_SET)
+        with os.fdopen(os.dup(out_fd), "rb") as f:
+            results = [json.loads(line) for line in f if line.endswith(b"\n")]
+        return _JobOutput(proc.returncode, err.decode(errors="replace"), results, error)
+    finally:
+        os.close(job_fd)
+        os.close(out_fd)
+
+
+def _bwrap_argv(iso: Isolation, limits: Limits) -> list[str]:
+    argv = [iso.bwrap, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session", "--as-pid-1", "--clearenv", "--setenv", "PATH", SAFE_PATH]
+    if not limits.allow_network:
+        argv.append("--unshare-net")
+    if iso.root:  # the runner keeps only what it needs to start the program as another uid and end it
+        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_KILL"]
+    else:
+        argv += ["--unshare-user", "--disable-userns"]
+    argv += _runtime_mounts()
+    argv += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777", "--size", str(limits.disk_mb << 20), "--tmpfs", ROOT,
+             "--perms", "1777", "--dir", ROOT + "/.tmp",
+             "--symlink", ROOT + "/.tmp", "/tmp", "--symlink", ROOT + "/.tmp", "/var/tmp",
+             "--perms", "1777", "--size", str(limits.shm_mb << 20), "--tmpfs", "/dev/shm",
+             "--perms", "0755", "--dir", os.path.dirname(os.path.dirname(HARNESS_INSIDE)),
+             "--perms", "0755", "--dir", os.path.dirname(HARNESS_INSIDE),
+             "--ro-bind", HARNESS, HARNESS_INSIDE, "--chdir", ROOT, "--"]
+    return argv
+
+
+def _runtime_mounts() -> list[str]:
+    """Read-only mounts of the system runtime and of this Python installation (and its venv)."""
+    argv = ["--ro-bind", "/usr", "/usr"]
+    for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(d):
+            argv += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            argv += ["--ro-bind", d, d]
+    for f in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime"):
+        argv += ["--ro-bind-try", f, f]
+    exe_prefix = os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                                               exe_prefix)}
+    venvs = {p for p in (sys.prefix, os.path.dirname(os.path.dirname(sys.executable)))  # reached by symlinks
+             if os.path.realpath(p) != p and os.path.isdir(p)}
+    made = set()
+    for p in sorted(prefixes | venvs):
+        if any(p == top or p.startswith(top + "/") for top in ("/usr", "/bin", "/lib", "/lib64")):
+            continue
+        # bwrap makes missing parents 0700, which the program's uid could not cross (pyenv under /root)
+        parents = [os.path.dirname(p)]
+        while parents[-1] != "/":
+            parents.append(os.path.dirname(parents[-1]))
+        for d in reversed(parents[:-1]):
+            if d not in made:
+                made.add(d)
+                argv += ["--perms", "0755", "--dir", d]
+        argv += ["--ro-bind", p, p]
+    return argv
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, 9)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _rmtree(path: str) -> None:
-    """rmtree that also works when the program chmod-ed its own dirs to 000 (matters when not root)."""
+    """rmtree that also works when the program chmod-ed its own dirs to 000."""
     def fix(func, p, _exc):
         try:
             os.chmod(os.path.dirname(p), 0o700)
@@ -199,49 +407,47 @@ def _rmtree(path: str) -> None:
     shutil.rmtree(path, onerror=fix)
 
 
-def _killpg(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+# -----------------------------------------------------------------------------
+# uids (root only)
 
 
-def processes_of_uid(uid: int) -> list[int]:
-    """Pids whose real uid is `uid`, zombies included (they still count against RLIMIT_NPROC)."""
-    return [p for p, _ppid, u in _scan_proc() if u == uid]
-
-
-def _scan_proc() -> list[tuple[int, int, int]]:
-    """(pid, ppid, real uid) of every process, from /proc/<pid>/status (works even for processes
-    that made themselves non-dumpable, unlike the owner of /proc/<pid>)."""
+def _scan_proc(tasks: bool = False) -> list[tuple[int, int]]:
+    """(pid, real uid) of every process (or every thread, with tasks), zombies included."""
     rows = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        try:
-            with open(f"/proc/{name}/status", "rb") as f:
-                text = f.read()
-        except OSError:
-            continue  # exited meanwhile
-        ppid = uid = -1
-        for line in text.split(b"\n"):
-            if line.startswith(b"PPid:"):
-                ppid = int(line.split()[1])
-            elif line.startswith(b"Uid:"):
-                uid = int(line.split()[1])
-                break
-        rows.append((int(name), ppid, uid))
+        paths = [f"/proc/{name}/status"]
+        if tasks:
+            try:
+                paths = [f"/proc/{name}/task/{t}/status" for t in os.listdir(f"/proc/{name}/task")]
+            except OSError:
+                continue
+        for path in paths:
+            try:
+                with open(path, "rb") as f:
+                    text = f.read()
+            except OSError:
+                continue  # exited meanwhile
+            for line in text.split(b"\n"):
+                if line.startswith(b"Uid:"):
+                    rows.append((int(name), int(line.split()[1])))
+                    break
     return rows
+
+
+def _tasks_of_uid(uid: int) -> int:
+    """Threads of `uid` on the machine: what RLIMIT_NPROC counts."""
+    return sum(1 for _p, u in _scan_proc(tasks=True) if u == uid)
 
 
 def _acquire_uid(timeout: float = 600.0) -> tuple[int, int]:
     """Take an unused uid of the pool: an flock on a per-uid file (held by the returned fd) makes
-    it exclusive across threads and processes; a uid that still has processes (e.g. zombies left
-    by a crashed run) is skipped."""
+    it exclusive across threads and processes; a uid that still has processes is skipped."""
     lock_dir = os.path.join(tempfile.gettempdir(), "sdpo-sandbox-uids")
     os.makedirs(lock_dir, mode=0o700, exist_ok=True)
     st = os.lstat(lock_dir)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o077:  # e.g. pre-created by a sandboxed program
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:  # e.g. pre-created by a weakly sandboxed program
         raise RuntimeError(f"{lock_dir} must be a directory owned by uid {os.geteuid()} with mode 0700")
     give_up = time.monotonic() + timeout
     while time.monotonic() < give_up:
@@ -254,7 +460,7 @@ def _acquire_uid(timeout: float = 600.0) -> tuple[int, int]:
             except BlockingIOError:
                 os.close(fd)
                 continue
-            if processes_of_uid(uid):
+            if any(u == uid for _p, u in _scan_proc()):
                 os.close(fd)
                 continue
             return uid, fd
@@ -276,30 +482,21 @@ def _is_account(uid: int) -> bool:
 
 
 _python_lock = threading.Lock()
-_python_cache: dict[bool, str | None] = {}
+_python_cache: dict[str, str | None] = {}
 
 
-def _sandbox_python(uid: int | None) -> str | None:
-    """The interpreter for the program: sys.executable if the sandbox uid can run it, else the first
-    python3 in SAFE_PATH that it can run, else None. Probed once per process."""
+def _weak_python(uid: int) -> str | None:
+    """Weak sandbox as root: the interpreter must be executable by the sandbox uid itself (no
+    bind mounts make it reachable): sys.executable if it can, else a python3 in SAFE_PATH."""
     with _python_lock:
-        key = uid is not None
-        if key not in _python_cache:
-            candidates = [sys.executable]
-            if uid is not None:
-                alt = shutil.which("python3", path=SAFE_PATH)
-                if alt:
-                    candidates.append(alt)
-            found = None
-            for cand in candidates:
-                if uid is None or _can_run(cand, uid):
-                    found = cand
-                    break
+        if "found" not in _python_cache:  # probed once: every pool uid has the same access
+            candidates = [sys.executable, shutil.which("python3", path=SAFE_PATH)]
+            found = next((c for c in candidates if c and _can_run(c, uid)), None)
             if found is not None and found != sys.executable:
                 warnings.warn(f"sandbox: {sys.executable} is not executable by the unprivileged sandbox "
                               f"uid; running programs with {found} instead", RuntimeWarning, stacklevel=3)
-            _python_cache[key] = found
-        return _python_cache[key]
+            _python_cache["found"] = found
+        return _python_cache["found"]
 
 
 def _can_run(python: str, uid: int) -> bool:
@@ -310,164 +507,3 @@ def _can_run(python: str, uid: int) -> bool:
         return r.returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
-
-
-# -----------------------------------------------------------------------------
-# launcher side (runs as its own process: `python -I -S sandbox.py --launch <json>`)
-
-
-def _libc():
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-
-def _launch(cfg: dict) -> None:
-    libc = _libc()
-    if libc is not None:
-        # orphans of the program become our children, so we can kill and reap all of them
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    results = []
-    for i in range(cfg["n"]):
-        r = _run_one(cfg, i, libc)
-        results.append(r)
-        failed = r["error"] or r["timed_out"] or r["returncode"] != 0
-        if cfg["stop_on_error"] and failed:
-            break
-    sys.stdout.write(json.dumps(results) + "\n")
-
-
-def _run_one(cfg: dict, i: int, libc) -> dict:
-    wd, uid, python = cfg["wd"], cfg["uid"], cfg["python"]
-    home = os.path.join(wd, f"home_{i}")
-    os.mkdir(home, 0o700)
-    if uid is not None:
-        os.chown(home, uid, uid)
-    fin = os.open(os.path.join(wd, f"in_{i}.txt"), os.O_RDONLY)
-    fout = os.open(os.path.join(wd, f"out_{i}.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    ferr = os.open(os.path.join(wd, f"err_{i}.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    if uid is not None:
-        nproc = cfg["max_procs"]
-    else:  # RLIMIT_NPROC counts every process of our user, so leave room for the ones that exist
-        nproc = len(processes_of_uid(os.getuid())) + cfg["max_procs"]
-    cpu = max(1, math.ceil(cfg["cpu_seconds"]))
-    mem, fsize = cfg["memory_mb"] << 20, cfg["max_file_mb"] << 20
-    env = {"PATH": SAFE_PATH, "LANG": "C.UTF-8", "HOME": home}
-    argv = [python, "-I", os.path.join(wd, "solution.py")]
-    want_netns = uid is not None and not cfg["allow_network"] and libc is not None
-    status_r, status_w = os.pipe()  # close-on-exec: EOF without data means exec succeeded
-    t0 = time.monotonic()
-    pid = os.fork()
-    if pid == 0:  # the child: set everything up, then exec the program
-        try:
-            os.close(status_r)
-            os.setsid()  # own session and process group (pgid = pid), for killpg
-            os.dup2(fin, 0)
-            os.dup2(fout, 1)
-            os.dup2(ferr, 2)
-            os.chdir(home)
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-            resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-            if want_netns and libc.unshare(CLONE_NEWNET) == 0:  # must happen while still root
-                os.write(status_w, b"N")
-            if uid is not None:
-                os.setgroups([])
-                os.setgid(uid)
-                os.setuid(uid)  # real, effective and saved uid: no way back to root
-                if os.getuid() != uid or os.geteuid() != uid:
-                    raise OSError("uid switch did not take effect")
-            if libc is not None:
-                libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-            os.execve(python, argv, env)
-        except BaseException as e:  # noqa: BLE001 - report anything, never return into the launcher
-            try:
-                os.write(status_w, f"E{type(e).__name__}: {e}".encode()[:2000])
-            finally:
-                os._exit(127)
-    os.close(status_w)
-    for fd in (fin, fout, ferr):
-        os.close(fd)
-    status = b""
-    while chunk := os.read(status_r, 4096):
-        status += chunk
-    os.close(status_r)
-    network_isolated = status.startswith(b"N")
-    status = status.removeprefix(b"N")
-    error = "sandbox setup failed: " + status[1:].decode(errors="replace") if status.startswith(b"E") else ""
-
-    # wait for the program, polling so that we can enforce the wall-clock deadline
-    deadline = t0 + cfg["wall_seconds"]
-    timed_out, delay = False, 0.001
-    while True:
-        wpid, wstatus, usage = os.wait4(pid, os.WNOHANG)
-        if wpid:
-            break
-        now = time.monotonic()
-        if now >= deadline:
-            timed_out = True
-            _killpg(pid)
-            wpid, wstatus, usage = os.wait4(pid, 0)
-            break
-        time.sleep(min(delay, deadline - now))
-        delay = min(delay * 2, 0.01)
-    wall = time.monotonic() - t0
-    _kill_all(pid, uid)
-    _rmtree(home)
-    return dict(returncode=os.waitstatus_to_exitcode(wstatus), timed_out=timed_out,
-                cpu=usage.ru_utime + usage.ru_stime, wall=wall, pid=pid,
-                network_isolated=network_isolated, error=error)
-
-
-def _kill_all(pgid: int, uid: int | None) -> None:
-    """Kill and reap everything the program left behind: its process group, every process of the
-    sandbox uid (catches those that called setsid), and all our children (the subreaper makes
-    every orphaned descendant one). Killing our own unreaped children by pid is race-free: a dead
-    child's pid cannot be reused until we reap it."""
-    me = os.getpid()
-    for _ in range(1000):  # bounded; each round kills everything visible
-        _killpg(pgid)
-        if uid is not None:
-            _kill_uid(uid)
-        procs = _scan_proc()
-        for pid, ppid, _u in procs:
-            if ppid == me:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        has_children = True
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-        except ChildProcessError:
-            has_children = False
-        left_in_uid = uid is not None and any(u == uid for _p, _pp, u in _scan_proc())
-        if not has_children and not left_in_uid:
-            return
-        time.sleep(0.002)
-
-
-def _kill_uid(uid: int) -> None:
-    """kill(-1, SIGKILL) from a helper that has switched to the sandbox uid: the kernel then signals
-    exactly the processes of that uid, atomically (a fork bomb cannot outrun it), and never a pid
-    that was meanwhile reused by someone else."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            if uid != 0 and os.getuid() == uid and os.geteuid() == uid:  # never as root: -1 = everyone
-                os.kill(-1, signal.SIGKILL)
-        except BaseException:  # noqa: BLE001
-            pass
-        os._exit(0)
-    os.waitpid(pid, 0)
-
-
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--launch":
-    _launch(json.loads(sys.argv[2]))

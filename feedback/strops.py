@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from feedback import TOTAL_CHARS, Reward, cut, shortest_first, truncated_reward, wrong_answer_feedback
+from feedback import TOTAL_CHARS, Reward, cut, io_fields, shortest_first, truncated_reward, wrong_answer_feedback
 
 MAX_OUTPUT_CHARS = 10_000  # model programs are cut off beyond this (plus the expected length)
 
@@ -89,7 +89,7 @@ def strops_reward(response: str, row: dict, truncated: bool) -> Reward:
         except ValueError as e:  # too long, so certainly not the expected output
             out = str(e)
         if out != expected:
-            failures.append((inp, out, expected))
+            failures.append(io_fields(inp, out, expected))
     if not failures:
         return Reward(1.0)
     return Reward(0.0, wrong_answer_feedback(failures, len(tests)))

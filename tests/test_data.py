@@ -8,6 +8,7 @@ chat-template text.
 Run: python -m pytest tests/test_data.py
 """
 
+import gzip
 import json
 import os
 import re
@@ -469,6 +470,44 @@ def test_parquet_with_a_field_mapping(tmp_path):
     assert row["uid"] == "n.parquet:1"
 
 
+CODE_TESTS = [{"input": "1 2\n", "output": "3"},
+              {"fn": "Solution.add", "args": [1, [2, 3]], "kwargs": {"k": 1}, "expected": [1, 2], "tol": 0.001},
+              {"fn": "add", "args": [], "expected": None},
+              {"fn": "add", "assert": "assert candidate(1, 2) == 3\n"}]
+
+
+def test_code_test_kinds_from_jsonl_gz_and_parquet(tmp_path):
+    """Function-call and assert tests beside stdin/stdout; .jsonl.gz files; Parquet's nulls for the
+    other kinds' columns are dropped (a stored expected null stays)."""
+    path = tmp_path / "code.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps({"prompt": "p", "tests": CODE_TESTS}) + "\n")
+    (row,) = data.load_rows(str(path), reward="code")
+    assert row["tests"] == [CODE_TESTS[0], CODE_TESTS[1], {**CODE_TESTS[2], "kwargs": {}}, CODE_TESTS[3]]
+    assert row["source"] == f"{path}, row 1"
+    unified = [{"input": None, "output": None, "fn": "f", "args": None, "kwargs": None, "expected": 2,
+                "assert": None}]  # what Parquet gives for a call test stored beside stdin tests
+    (row,) = data.load_rows(_write_jsonl(tmp_path / "u.jsonl", [{"prompt": "p", "tests": unified}]))
+    assert row["tests"] == [{"fn": "f", "args": [], "kwargs": {}, "expected": 2}]
+    (row,) = data.load_rows(_write_parquet(tmp_path / "c.parquet", [{"prompt": "p", "tests": json.dumps(CODE_TESTS)}]))
+    assert row["tests"][3] == CODE_TESTS[3]
+
+
+@pytest.mark.parametrize("test, message", [
+    ({"fn": "f", "args": [1]}, "needs 'expected'"),
+    ({"fn": "f(x)", "expected": 1}, "'fn' must be a name"),
+    ({"fn": "f", "args": 1, "expected": 1}, "'args' must be a list"),
+    ({"fn": "f", "kwargs": [1], "expected": 1}, "'kwargs' must be a dict"),
+    ({"fn": "f", "expected": 1, "tol": "small"}, "'tol' must be a non-negative number"),
+    ({"fn": "f", "assert": "assert (1"}, "'assert' is not valid Python"),
+    ({"fn": "f", "assert": 3}, "'assert' must be test code"),
+    ({"cmd": "ls"}, "expected one of"),
+])
+def test_bad_code_tests_name_file_row_field_and_test(tmp_path, test, message):
+    path, msg = _error(tmp_path, [{"prompt": "p", "tests": [{"input": "", "output": ""}, test]}])
+    assert msg.startswith(f"{path}, row 1, field 'tests' (column 'tests'), test 1: ") and message in msg, msg
+
+
 def _error(tmp_path, records, fields="", name="bad.jsonl"):
     path = (_write_parquet if name.endswith(".parquet") else _write_jsonl)(tmp_path / name, records)
     with pytest.raises(DataError) as info:
@@ -546,7 +585,7 @@ def test_file_level_errors(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         data.load_rows(str(tmp_path / "missing.jsonl"))
     (tmp_path / "x.csv").write_text("prompt\nhi\n")
-    with pytest.raises(DataError, match="unsupported file type"):
+    with pytest.raises(DataError, match=r"unsupported file type \(use .jsonl, .jsonl.gz or .parquet\)"):
         data.load_rows(str(tmp_path / "x.csv"))
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(DataError, match="no rows"):

@@ -1,30 +1,19 @@
-"""Tests for feedback/: reward parsing, feedback texts, the code sandbox (hostile programs included)
-and the reward-function plumbing. Fast: the slow hostile programs run with 1-2 s limits."""
+"""Tests for feedback/: reward parsing and feedback texts (math, multiple choice, strops) and the
+reward-function plumbing. The code reward is in test_code.py, its sandbox in test_sandbox.py."""
 
-import os
 import re
-import socket
-import time
-import uuid
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feedback import (TRUNCATION_FEEDBACK, Reward, cut, get_reward_fn, score, score_batch,
+from feedback import (TRUNCATION_FEEDBACK, Reward, cut, get_reward_fn, io_fields, score, score_batch,
                       wrong_answer_feedback)
-from feedback.code import FORMAT_FEEDBACK as CODE_FORMAT_FEEDBACK
-from feedback.code import code_reward, extract_code
 from feedback.math import FORMAT_FEEDBACK as MATH_FORMAT_FEEDBACK
 from feedback.math import extract_answer, math_reward, normalize
 from feedback.mc import extract_choice, mc_reward
-from feedback.sandbox import Limits, processes_of_uid, run_tests
 from feedback.strops import OPS, extract_program, parse_program, run_program, strops_reward
 
-REPO = Path(__file__).resolve().parents[1]
-IS_ROOT = os.geteuid() == 0
-pytestmark = pytest.mark.filterwarnings("ignore:sandbox.*not executable:RuntimeWarning")
 
 
 # -----------------------------------------------------------------------------
@@ -205,7 +194,7 @@ def test_feedback_cut_helpers():
     assert cut("abcdef", 10) == "abcdef"
     assert cut("abcdefghijkl", 10) == "abcdefg..."
     assert cut("abcdefghijkl", 10, keep="tail") == "...fghijkl"
-    fails = [("i" * 900, "o" * 900, "e" * 900)] * 3
+    fails = [io_fields("i" * 900, "o" * 900, "e" * 900)] * 3
     text = wrong_answer_feedback(fails, 5, field_chars=900, total_chars=2000)
     assert len(text) == 2000 and text.endswith("...") and text.startswith("Wrong Answer: 3 of 5 tests failed.")
 
@@ -219,219 +208,6 @@ def test_strops_round_trip(ops, inputs):
     row = _row([(s, run_program(program, s)) for s in inputs])
     assert run_program(parse_program(program), inputs[0]) == row["tests"][0]["output"]
     assert strops_reward(f"Let me see.\nProgram: {program}", row, False) == Reward(1.0)
-
-
-# -----------------------------------------------------------------------------
-# code: extraction and verdicts
-
-ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
-ADD_ROW = {"uid": "c1", "tests": [{"input": "10 20\n", "output": "30\n"}, {"input": "1 2\n", "output": "3"},
-                                  {"input": "100 200\n", "output": "300"}]}
-FAST = dict(cpu_seconds=1, wall_seconds=2)  # limits for the hostile programs, to keep the tests fast
-
-
-def fenced(code):
-    return f"Here you go:\n```python\n{code}```\nDone."
-
-
-def test_code_extract():
-    assert extract_code(fenced("print(1)\n")) == "print(1)\n"
-    assert extract_code("```python\nprint(1)\n```\n```python\nprint(2)\n```") == "print(2)\n"
-    assert extract_code("```\nprint(3)\n```") == "print(3)\n"
-    assert extract_code("```python\nprint(1)\n```\n```\nprint(3)\n```") == "print(1)\n"  # python beats untagged
-    assert extract_code("print(4)") == "print(4)"  # no fence: the whole response, if it is Python
-    assert extract_code("I would loop over the input.") is None
-    assert extract_code("") is None
-
-
-def test_code_correct_passes():
-    assert code_reward(fenced(ADD), ADD_ROW, False) == Reward(1.0)
-
-
-def test_code_wrong_answer_feedback():
-    r = code_reward(fenced("a, b = map(int, input().split())\nprint(a * b)\n"), ADD_ROW, False)
-    assert r == Reward(0.0, "Wrong Answer: 3 of 3 tests failed.\n\n"
-                            "Input:\n1 2\nOutput:\n2\nExpected:\n3\n\n"
-                            "Input:\n10 20\nOutput:\n200\nExpected:\n30")
-
-
-def test_code_output_comparison_ignores_trailing_whitespace():
-    assert code_reward(fenced("print('3  ')\nprint()\n"), {"tests": [{"input": "", "output": "3"}]}, False).score == 1.0
-
-
-def test_code_runtime_error_feedback():
-    r = code_reward(fenced("a, b = map(int, input().split())\nprint(a // (b - 2))\n"), ADD_ROW, False)
-    assert r.score == 0.0
-    # the shortest input ("1 2") runs first and is the one that crashes; the traceback names the
-    # file "solution.py", not its random temp path (the caret line varies across Python versions)
-    assert r.feedback.startswith('Runtime Error\nTraceback (most recent call last):\n  File "solution.py", line 2')
-    assert r.feedback.endswith("ZeroDivisionError: integer division or modulo by zero\nInput:\n1 2")
-    r = code_reward(fenced("import sys\nsys.exit(3)\n"), ADD_ROW, False)
-    assert r.feedback == "Runtime Error\nThe program exited with code 3.\nInput:\n1 2"
-
-
-def test_code_format_and_compile_errors():
-    assert code_reward("I am not sure how to solve this.", ADD_ROW, False) == Reward(0.0, CODE_FORMAT_FEEDBACK)
-    r = code_reward(fenced("print(1\n"), ADD_ROW, False)
-    assert r == Reward(0.0, "Compile Error\nSyntaxError: '(' was never closed (solution.py, line 1)")
-    assert code_reward(fenced(ADD), ADD_ROW, True) == Reward(0.0, TRUNCATION_FEEDBACK)
-
-
-def test_code_row_without_tests_is_an_error_not_a_crash():
-    r = score(code_reward, fenced(ADD), {"uid": "no-tests", "tests": None}, False)
-    assert r.score == 0.0 and "needs row['tests']" in r.error and "no-tests" in r.error
-
-
-def test_score_batch_code_in_order():
-    responses = [fenced(ADD), fenced("print(0)\n"), "no code", fenced(ADD)]
-    out = score_batch(code_reward, responses, [ADD_ROW] * 4, [False, False, False, True], workers=2)
-    assert [r.score for r in out] == [1.0, 0.0, 0.0, 0.0]
-    assert out[1].feedback.startswith("Wrong Answer: 3 of 3") and out[2].feedback == CODE_FORMAT_FEEDBACK
-    assert out[3].feedback == TRUNCATION_FEEDBACK
-
-
-# -----------------------------------------------------------------------------
-# code: hostile programs are contained
-
-def _assert_all_gone(result):
-    """No process of the run is left: not its process group, not its uid, no zombie of ours."""
-    with pytest.raises(ProcessLookupError):
-        os.killpg(result.pid, 0)
-    if result.uid is not None:
-        assert processes_of_uid(result.uid) == []
-    with pytest.raises(ChildProcessError):  # the launcher reaped everything; nothing re-parented to us
-        os.waitpid(-1, os.WNOHANG)
-
-
-def test_code_infinite_loop_is_time_limited():
-    t = time.monotonic()
-    r = code_reward(fenced("while True:\n    pass\n"), ADD_ROW, False, **FAST)
-    assert time.monotonic() - t < 10
-    assert r == Reward(0.0, "Time Limit Exceeded\nThe program did not finish within the time limit of 1 s.\n"
-                            "Input:\n1 2")
-
-
-def test_code_sleep_hits_wall_clock():
-    t = time.monotonic()
-    res = run_tests("import time\ntime.sleep(60)\n", ["x"], Limits(**FAST))
-    assert time.monotonic() - t < 10
-    assert res[0].timed_out
-    _assert_all_gone(res[0])
-
-
-def test_code_fork_bomb_is_contained():
-    code = "import os\nwhile True:\n    os.fork()\n"
-    t = time.monotonic()
-    r = code_reward(fenced(code), ADD_ROW, False, **FAST)
-    assert time.monotonic() - t < 15
-    assert r.score == 0.0 and r.error == ""
-    assert r.feedback.startswith(("Runtime Error", "Time Limit Exceeded")), r.feedback
-    res = run_tests(code, ["1"], Limits(**FAST))
-    _assert_all_gone(res[0])
-
-
-def test_code_stubborn_fork_bomb_is_contained():
-    """Children ignore fork errors and keep going: only the limits and the cleanup stop them."""
-    code = ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
-    t = time.monotonic()
-    res = run_tests(code, ["1"], Limits(**FAST))
-    assert time.monotonic() - t < 15
-    assert res[0].returncode != 0
-    _assert_all_gone(res[0])
-
-
-def test_code_detached_children_are_killed():
-    """Children that leave the process group (setsid) and outlive the program are still killed."""
-    code = ("import os, time\n"
-            "pids = []\n"
-            "for _ in range(3):\n"
-            "    pid = os.fork()\n"
-            "    if pid == 0:\n"
-            "        os.setsid()\n"
-            "        time.sleep(600)\n"
-            "        os._exit(0)\n"
-            "    pids.append(pid)\n"
-            "print(*pids)\n")
-    res = run_tests(code, [""], Limits(**FAST))
-    assert res[0].returncode == 0 and not res[0].timed_out
-    pids = [int(p) for p in res[0].stdout.split()]
-    assert len(pids) == 3
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
-    _assert_all_gone(res[0])
-
-
-def test_code_fork_bombs_do_not_starve_concurrent_sandboxes():
-    """Each concurrent sandbox has its own uid, so one program's process budget is its own."""
-    bomb = fenced("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
-    responses = [bomb, fenced(ADD), bomb, fenced(ADD), fenced(ADD)]
-    # the bombs get short limits; the normal programs the default ones, so that a loaded machine
-    # cannot turn them into a (correct) wall-clock timeout
-    out = score_batch(lambda r, row, t: code_reward(r, row, t, **(FAST if "fork" in r else {})), responses,
-                      [ADD_ROW] * 5, [False] * 5, workers=5)
-    assert [r.score for r in out] == [0.0, 1.0, 0.0, 1.0, 1.0], out
-
-
-def test_code_huge_allocation_is_memory_error():
-    t = time.monotonic()
-    r = code_reward(fenced("x = bytearray(10**11)\nprint(len(x))\n"), ADD_ROW, False)
-    assert time.monotonic() - t < 10
-    assert r == Reward(0.0, "Memory Limit Exceeded\nThe program tried to use more than 512 MiB of memory.\n"
-                            "Input:\n1 2")
-
-
-def test_code_output_flood_is_limited():
-    r = code_reward(fenced("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n"), ADD_ROW, False,
-                    max_file_mb=1, **FAST)
-    assert r.feedback.startswith("Output Limit Exceeded\nThe program wrote more than 1 MiB")
-
-
-def test_code_environment_and_scratch_dir():
-    """The program sees only PATH, LANG and HOME (= its cwd, a fresh writable temp dir)."""
-    code = ("import os\n"
-            "open('scratch.txt', 'w').write('ok')\n"
-            "print(' '.join(sorted(os.environ)))\n"
-            "print(open('scratch.txt').read(), os.environ['HOME'] == os.getcwd(), sorted(os.listdir('.')))\n")
-    res = run_tests(code, ["", ""], Limits())
-    assert [r.stdout for r in res] == ["HOME LANG PATH\nok True ['scratch.txt']\n"] * 2  # fresh dir per test
-
-
-def test_code_temp_dir_is_removed():
-    res = run_tests("import os\nprint(os.getcwd())\n", [""], Limits())
-    assert res[0].returncode == 0
-    assert not os.path.exists(res[0].stdout.strip())
-
-
-@pytest.mark.skipif(not IS_ROOT, reason="without root the program runs as our own user; only file "
-                                        "permissions stop writes (see feedback/sandbox.py)")
-def test_code_cannot_write_outside_its_dir(tmp_path):
-    outside = tmp_path / f"sub_{uuid.uuid4().hex}"
-    outside.mkdir()
-    os.chmod(outside, 0o755)  # even a world-traversable root-owned dir: the sandbox uid cannot write
-    targets = [outside / "evil", REPO / f"evil_{uuid.uuid4().hex}"]
-    for target in targets:
-        r = code_reward(fenced(f"open({str(target)!r}, 'w').write('pwned')\n"), ADD_ROW, False)
-        assert not target.exists()
-        assert r.score == 0.0
-        assert r.feedback.startswith("Runtime Error") and "PermissionError" in r.feedback
-
-
-@pytest.mark.skipif(not IS_ROOT, reason="network isolation needs root")
-def test_code_has_no_network():
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    port = server.getsockname()[1]
-    try:
-        code = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-                f"    print('connected')\nexcept OSError as e:\n    print('blocked')\n")
-        res = run_tests(code, [""], Limits())
-        if not res[0].network_isolated:
-            pytest.skip("could not create a network namespace here")
-        assert res[0].stdout == "blocked\n"
-    finally:
-        server.close()
 
 
 # -----------------------------------------------------------------------------
@@ -476,7 +252,7 @@ def test_score_batch_order_and_lengths():
 def test_get_reward_fn_builtins_and_modules():
     assert get_reward_fn("math") is math_reward
     assert get_reward_fn("strops") is strops_reward
-    assert get_reward_fn("code") is code_reward
+    assert get_reward_fn("code").__name__ == "code_reward"
     assert get_reward_fn("mc") is mc_reward
     assert get_reward_fn("feedback.math:math_reward") is math_reward
 

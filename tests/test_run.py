@@ -317,6 +317,21 @@ def test_raising_reward_function_fails_the_rollout_not_the_run(tokenizer, tmp_pa
     assert rollouts[1].feedback == ""
 
 
+def test_code_reward_refuses_a_weak_sandbox_unless_accepted(tmp_path, monkeypatch, capsys):
+    from feedback import sandbox
+    monkeypatch.setattr(sandbox, "_isolation", sandbox.Isolation(None, False, ("no bubblewrap here (test)",)))
+    monkeypatch.setattr(sandbox, "_weak_accepted", False)
+    monkeypatch.setattr(sandbox, "_announced", False)
+    path = tmp_path / "code.jsonl"
+    path.write_text(json.dumps({"prompt": "Add.", "tests": [{"input": "1 2", "output": "3"}]}) + "\n")
+    with pytest.raises(sandbox.SandboxUnavailable, match=r"(?s)no bubblewrap here \(test\).*allow_weak_sandbox"):
+        run.load_data(run.parse_config([f"--data.task={path}", "--data.reward=code"]))
+    with pytest.warns(RuntimeWarning, match="weak code sandbox"):
+        rows, _ = run.load_data(run.parse_config([f"--data.task={path}", "--data.reward=code",
+                                                  "--data.allow_weak_sandbox=True"]))
+    assert rows[0]["reward"] == "code" and "WARNING: weak code sandbox" in capsys.readouterr().err
+
+
 def test_prepare_rollouts_scores_advantages_and_teacher_contexts(tokenizer):
     cfg = run.parse_config(["--algo=hybrid", "--rollout.n=3"])  # hybrid: both advantages and teacher contexts
     rows = data.task_rows("strops", "train", 2)
@@ -482,3 +497,11 @@ def test_warm_start_is_plain_sft_and_shared_across_rl_flags(tiny_dir, monkeypatc
     assert run.resolve_model(run.parse_config([]), ONE_PROCESS) == first and len(calls) == 1  # cached
     run.resolve_model(run.parse_config(["--train.warm_start_lr=1e-3"]), ONE_PROCESS)
     assert len(calls) == 2  # a flag the warm start reads makes a new one
+
+
+def test_reward_kwargs_reach_the_reward_function(tmp_path):
+    (tmp_path / "limits.py").write_text("def reward(response, row, truncated, budget=1):\n    return float(budget)\n")
+    cfg = run.parse_config([f"--data.reward={tmp_path / 'limits.py'}:reward", '--data.reward_kwargs={"budget": 7}'])
+    assert feedback.score(run.reward_function(cfg, {"reward": "math"}), "", {"uid": "u"}, False).score == 7.0
+    with pytest.raises(ValueError, match="not a JSON object"):
+        run.reward_function(run.parse_config(["--data.reward_kwargs={budget: 7}"]), {"reward": "math"})
