@@ -32,6 +32,7 @@ import losses
 import objectives
 import sdpo
 from objectives import Dist, Models, Rollout
+from discriminator import Critic
 from teacher import Reference, Teacher, full_tensor, reshard
 
 # ----------------------------------------------------------------------------------------
@@ -85,11 +86,16 @@ class AlgoConfig:
     name: Annotated[Literal[tuple(objectives.OBJECTIVES)],
                     __import__("tyro").conf.arg(name="algo", prefix_name=False)] = "sdpo"
     lam: float = 0.9  # hybrid: A = lam * A_grpo + (1 - lam) * A_sdpo
-    norm_adv_by_std: bool = False  # GRPO std normalisation (False: Dr. GRPO, as in the SDPO runs)
+    # GRPO std normalisation; default: off (Dr. GRPO, as in the SDPO runs), except for GAD, whose
+    # discriminator score has no fixed scale
+    norm_adv_by_std: bool | None = None
     eps_low: float = 0.2  # PPO clip
     eps_high: float = 0.2  # 0.28 for DAPO's clip-higher
     gspo_eps_low: float = 3e-4  # GSPO clips a sequence-level ratio: far narrower ranges
     gspo_eps_high: float = 4e-4
+    kl_coef: float = 0.001  # GAD: weight of the KL to the initial policy (SPEC 6: k3, 0.001)
+    kl_type: Literal[tuple(k + p for k in losses.KL_KINDS for p in ("", "+"))] = "k3"  # "+": k2's gradient
+    kl_in_reward: bool = False  # GAD: subtract kl_coef * the sequence's KL from the reward instead of a loss term
     loss_agg_mode: Literal["auto", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"] = "auto"  # auto: seq-mean-token-mean for GSPO, else token-mean
 
@@ -127,6 +133,23 @@ class DpoConfig:
                              f"(got {self.label_smoothing}), ref_update_every >= 0 (got {self.ref_update_every})")
         if self.reference_free and self.ref_update_every:
             raise ValueError("--dpo.reference_free has no reference to refresh: drop --dpo.ref_update_every")
+
+
+@dataclass
+class GadConfig:
+    """GAD (--algo gad): the discriminator and the two stages (README: GAD)."""
+    disc_path: str = ""  # a local HF directory for the discriminator's backbone; empty: the student's start
+    lr: float = 1e-4  # the discriminator's AdamW (the paper's 1e-6 is for 8B models); weight decay and
+    # betas are --optim's
+    grad_clip: float = 1.0
+    policy_loss: Literal["ppo", "gspo"] = "ppo"  # the student's clipped surrogate
+    warmup_steps: int = 0  # stage 1: SFT of the student on the teacher's responses while the discriminator trains
+    critic_warmup: int = 0  # then this many steps train only the discriminator
+
+    def __post_init__(self):
+        if self.lr <= 0 or self.grad_clip <= 0 or self.warmup_steps < 0 or self.critic_warmup < 0:
+            raise ValueError(f"--gad: need lr > 0 (got {self.lr}), grad_clip > 0 (got {self.grad_clip}), "
+                             f"warmup_steps, critic_warmup >= 0 (got {self.warmup_steps}, {self.critic_warmup})")
 
 
 @dataclass
@@ -178,6 +201,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     sdpo: SdpoArgs = field(default_factory=SdpoArgs)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    gad: GadConfig = field(default_factory=GadConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -420,6 +444,16 @@ def batch_rows(rows: list, step: int, n: int, seed: int) -> list:
 
 
 def load_data(cfg: Config):
+    train_rows, eval_rows = read_rows(cfg)
+    for field_name in objectives.OBJECTIVES[cfg.algo.name].row_fields:
+        for row in train_rows:
+            if not row.get(field_name):
+                raise data.DataError(f"{row['source']}, field '{field_name}': missing or empty, and --algo "
+                                     f"{cfg.algo.name} needs it in every training row")
+    return train_rows, eval_rows
+
+
+def read_rows(cfg: Config):
     d = cfg.data
     if d.reward == "code" or d.allow_weak_sandbox:  # refuse a sandbox that cannot isolate, before any work
         from feedback import sandbox
@@ -830,6 +864,11 @@ def build_trainer(cfg: Config, objective, model_dir: str, d: Dist) -> Trainer:
         models.teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate, copy)
     if "reference" in objective.models and not cfg.dpo.reference_free:
         models.reference = Reference(load_policy(model_dir, cfg, d.world, d.device), cfg.dpo.ref_update_every)
+    if "discriminator" in objective.models:
+        import discriminator
+        o, g = cfg.optim, cfg.gad
+        models.discriminator = Critic(discriminator.load(g.disc_path or model_dir, cfg.train.seed, d.world, d.device),
+                                      g.lr, o.weight_decay, g.grad_clip, (o.beta1, o.beta2))
     return Trainer(models, optimizer, scheduler)
 
 
@@ -896,7 +935,7 @@ def load_checkpoint(path: str, trainer: Trainer) -> int:
     dcp.load(state, checkpoint_id=path)
     set_state_dict(trainer.models.policy, trainer.optimizer, model_state_dict=state["policy"],
                    optim_state_dict=state["optimizer"])
-    for name in ("teacher", "reference"):
+    for name in ("teacher", "reference", "discriminator"):
         if name in state:
             getattr(trainer.models, name).load_state_dict(state[name])
     torch.set_rng_state(state["meta"]["torch_rng"])
@@ -913,6 +952,8 @@ def checkpoint_state(trainer: Trainer, step: int) -> dict:
         state["teacher"] = trainer.models.teacher.state_dict()
     if trainer.models.reference is not None:
         state["reference"] = trainer.models.reference.state_dict()
+    if trainer.models.discriminator is not None:  # with its optimizer and step count
+        state["discriminator"] = trainer.models.discriminator.state_dict()
     return state
 
 
@@ -962,6 +1003,7 @@ class Logger:
 class Progress:
     SHOWN = {"reward/mean": "reward", "reward/success_rate": "success", "eval/success_rate": "eval",
              "sdpo/teacher_coverage": "coverage", "sdpo/divergence": "div", "dpo/accuracy": "pref_acc",
+             "gad/d_acc": "d_acc",
              "time/step_s": "s/step"}
 
     def __init__(self, start, total, enabled, desc):
