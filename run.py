@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -145,6 +146,11 @@ class GadConfig:
     policy_loss: Literal["ppo", "gspo"] = "ppo"  # the student's clipped surrogate
     warmup_steps: int = 0  # stage 1: SFT of the student on the teacher's responses while the discriminator trains
     critic_warmup: int = 0  # then this many steps train only the discriminator
+    # On a synthetic task the rows have no teacher_response: the project makes a black-box teacher,
+    # the tiny model after this many SFT steps on the task's references (the student's start has
+    # train.warm_start_steps), and writes its sampled text to a JSONL file (cached, README: GAD).
+    teacher_steps: int = 1000
+    teacher_temperature: float = 0.6
 
     def __post_init__(self):
         if self.lr <= 0 or self.grad_clip <= 0 or self.warmup_steps < 0 or self.critic_warmup < 0:
@@ -1059,6 +1065,68 @@ def resolve_model(cfg: Config, d: Dist) -> str:
     return os.path.join(path, "final")
 
 
+def teacher_model(cfg: Config, d: Dist) -> tuple[Config, str]:
+    """The self-made black-box teacher: the tiny model after --gad.teacher_steps SFT steps on
+    the task's references, plain prompts only (cached like the student's warm start)."""
+    teacher_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=""), train=dataclasses.replace(
+        cfg.train, warm_start_steps=cfg.gad.teacher_steps, warm_start_demo_frac=0.0, warm_start_feedback_frac=0.0))
+    return teacher_cfg, resolve_model(teacher_cfg, d)
+
+
+def with_teacher_data(cfg: Config, d: Dist) -> Config:
+    """cfg reading a teacher's responses when the objective needs them and the task is synthetic.
+
+    The black-box teacher is the tiny model after --gad.teacher_steps SFT steps on the task's
+    references (a warm start of its own, cached). It answers each training prompt once at
+    --gad.teacher_temperature; rows whose answer ran out of tokens are dropped (an API teacher's
+    answers are finished). Its text goes to <teacher>-data-<hash>/train.jsonl (uid, prompt,
+    answer, tests, teacher_response: the file a user brings), next to heldout.jsonl (the task's
+    held-out rows). Training reads only that text; the teacher's weights serve evaluation alone.
+    """
+    if "teacher_response" not in objectives.OBJECTIVES[cfg.algo.name].row_fields or cfg.data.task not in data.TASKS:
+        return cfg
+    import hashlib
+    teacher_cfg, teacher_dir = teacher_model(cfg, d)
+    recipe = json.dumps([teacher_dir, dataclasses.asdict(cfg.data), cfg.train.seed, cfg.gad.teacher_temperature,
+                         cfg.rollout.max_tokens], sort_keys=True)
+    out = os.path.dirname(teacher_dir) + "-data-" + hashlib.sha1(recipe.encode()).hexdigest()[:10]
+    paths = {"train": os.path.join(out, "train.jsonl"), "heldout": os.path.join(out, "heldout.jsonl")}
+    if not os.path.exists(paths["heldout"]):  # written last
+        train_rows, eval_rows = read_rows(cfg)
+        tokenizer = load_tokenizer(teacher_dir)
+        engine = start_engine(teacher_cfg, teacher_dir, tokenizer, train_rows, d)
+        rank0_call(d, lambda: write_teacher_data(engine, tokenizer, train_rows, eval_rows, teacher_cfg, out, paths),
+                   share=False)
+        if engine is not None:
+            engine.close()
+    return dataclasses.replace(cfg, data=dataclasses.replace(
+        cfg.data, task=paths["train"], eval_path=paths["heldout"], fields="",
+        reward=cfg.data.reward or data.task_rows(cfg.data.task, "test", 1, cfg=cfg.data)[0]["reward"]))
+
+
+def write_teacher_data(engine, tokenizer, train_rows: list, eval_rows: list, cfg: Config, out: str, paths: dict):
+    rollouts = generate_and_score(engine, tokenizer, train_rows, cfg, stream_seed("generation", cfg.train.seed, 0), 1,
+                                  cfg.gad.teacher_temperature)
+    tmp = out + f".tmp-{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    record = lambda row, **extra: json.dumps({"uid": row["uid"], "prompt": row["messages"], "answer": row["answer"],
+                                              "tests": row["tests"], **extra})
+    with open(os.path.join(tmp, "train.jsonl"), "w") as f:
+        for r in rollouts:
+            if not r.truncated:
+                f.write(record(r.row, teacher_response=r.text) + "\n")
+    with open(os.path.join(tmp, "heldout.jsonl"), "w") as f:
+        for row in eval_rows:
+            f.write(record(row) + "\n")
+    finished = [r for r in rollouts if not r.truncated]
+    print(f"teacher data: {len(finished)} of {len(rollouts)} answers finished, success "
+          f"{success_rate(finished, cfg):.3f} on the training prompts -> {out}")
+    if os.path.exists(out):  # another process won the race
+        shutil.rmtree(tmp)
+    else:
+        os.rename(tmp, out)
+
+
 def parse_config(argv=None) -> Config:
     """Flags -> Config. Booleans take a value (--sdpo.add_tail=False), as sweep agents pass them."""
     import re
@@ -1073,6 +1141,7 @@ def main(argv=None):
     d = setup_distributed()
     t0 = time.perf_counter()
     model_dir = resolve_model(cfg, d)
+    cfg = with_teacher_data(cfg, d)
     metrics = train(cfg, model_dir, d)
     if d.rank == 0:
         shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("eval/", "reward/"))}
