@@ -1078,8 +1078,8 @@ def with_teacher_data(cfg: Config, d: Dist) -> Config:
 
     The black-box teacher is the tiny model after --gad.teacher_steps SFT steps on the task's
     references (a warm start of its own, cached). It answers each training prompt once at
-    --gad.teacher_temperature; rows whose answer ran out of tokens are dropped (an API teacher's
-    answers are finished). Its text goes to <teacher>-data-<hash>/train.jsonl (uid, prompt,
+    --gad.teacher_temperature; rows whose answer ran out of tokens or is empty are dropped (an
+    API teacher's answers are finished). Its text goes to <teacher>-data-<hash>/train.jsonl (uid, prompt,
     answer, tests, teacher_response: the file a user brings), next to heldout.jsonl (the task's
     held-out rows). Training reads only that text; the teacher's weights serve evaluation alone.
     """
@@ -1111,15 +1111,14 @@ def write_teacher_data(engine, tokenizer, train_rows: list, eval_rows: list, cfg
     os.makedirs(tmp, exist_ok=True)
     record = lambda row, **extra: json.dumps({"uid": row["uid"], "prompt": row["messages"], "answer": row["answer"],
                                               "tests": row["tests"], **extra})
+    finished = [r for r in rollouts if not r.truncated and r.text.strip()]
     with open(os.path.join(tmp, "train.jsonl"), "w") as f:
-        for r in rollouts:
-            if not r.truncated:
-                f.write(record(r.row, teacher_response=r.text) + "\n")
+        for r in finished:
+            f.write(record(r.row, teacher_response=r.text) + "\n")
     with open(os.path.join(tmp, "heldout.jsonl"), "w") as f:
         for row in eval_rows:
             f.write(record(row) + "\n")
-    finished = [r for r in rollouts if not r.truncated]
-    print(f"teacher data: {len(finished)} of {len(rollouts)} answers finished, success "
+    print(f"teacher data: {len(finished)} of {len(rollouts)} answers finished and not empty, success "
           f"{success_rate(finished, cfg):.3f} on the training prompts -> {out}")
     if os.path.exists(out):  # another process won the race
         shutil.rmtree(tmp)

@@ -11,8 +11,8 @@ budgets (the same steps, prompts per step and optimizer steps):
   - the start itself.
 The teacher is the project's self-made black box (run.teacher_model: a much longer SFT of the
 tiny model; run.with_teacher_data writes its sampled text). Each final model is evaluated on
-the task's held-out rows: success (avg@k at the eval temperature) and how close it is to the
-teacher, the teacher model's mean per-token negative log-likelihood of the student's held-out
+the task's held-out rows with one evaluation seed (the start and the teacher once): success
+(avg@k at the eval temperature) and how close it is to the teacher, the teacher model's mean per-token negative log-likelihood of the student's held-out
 responses (the only use of the teacher's weights: training reads its text alone).
 
 Writes into --out: gad.md (the table and the GAD runs' d_acc / reward diagnostics), gad.png,
@@ -33,20 +33,27 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 from learning import run_one, warm_start  # noqa: E402
 
 
-def evaluate(model_dir: str, cfg, rows: list, teacher) -> dict:
-    """Held-out success of model_dir's samples and the teacher's NLL of them (per token)."""
-    import torch
-    import run
-    d = run.Dist(0, 1, torch.device("cpu"))
-    tokenizer = run.load_tokenizer(model_dir)
-    engine = run.start_engine(cfg, model_dir, tokenizer, rows, d)
-    try:
-        rollouts = run.generate_and_score(engine, tokenizer, rows, cfg, cfg.train.seed, cfg.rollout.eval_k,
-                                          cfg.rollout.eval_temperature)
-    finally:
-        engine.close()
-    return {"success": run.success_rate(rollouts, cfg), "teacher_nll": teacher_nll(teacher, rollouts, cfg),
-            "length": sum(len(r.response_ids) for r in rollouts) / len(rollouts)}
+class Evaluator:
+    """One engine for every model (all are the tiny architecture): each model's weights are
+    loaded into it and the load is verified (run.sync_engine) before it samples."""
+
+    def __init__(self, model_dir: str, cfg, rows: list, teacher):
+        import torch
+        import run
+        self.cfg, self.rows, self.teacher, self.d = cfg, rows, teacher, run.Dist(0, 1, torch.device("cpu"))
+        self.tokenizer = run.load_tokenizer(model_dir)
+        self.engine = run.start_engine(cfg, model_dir, self.tokenizer, rows, self.d)
+
+    def __call__(self, model_dir: str, seed: int) -> dict:
+        """Held-out success of model_dir's samples and the teacher's NLL of them (per token)."""
+        import run
+        run.sync_engine(self.cfg, self.engine, run.load_policy(model_dir, self.cfg, 1, self.d.device), self.tokenizer,
+                        self.d)
+        rollouts = run.generate_and_score(self.engine, self.tokenizer, self.rows, self.cfg, seed, self.cfg.rollout.eval_k,
+                                          self.cfg.rollout.eval_temperature)
+        return {"success": run.success_rate(rollouts, self.cfg),
+                "teacher_nll": teacher_nll(self.teacher, rollouts, self.cfg),
+                "length": sum(len(r.response_ids) for r in rollouts) / len(rollouts)}
 
 
 def teacher_nll(teacher, rollouts: list, cfg) -> float:
@@ -121,21 +128,20 @@ def main():
     eval_rows = run.load_data(cfg)[1]
     teacher = (run.load_policy(teacher_dir, cfg, 1, d.device), run.load_tokenizer(teacher_dir))
     teacher[0].eval()
-    results, diagnostics = {"start": [], "seqkd": [], "gad": []}, []
+    evaluate = Evaluator(start, run.parse_config(common), eval_rows, teacher)
+    results, diagnostics = {"start": [evaluate(start, 0)], "seqkd": [], "gad": []}, []
     for seed in range(args.seeds):
-        seed_cfg = run.parse_config(common + [f"--train.seed={seed}"])
-        results["start"].append(evaluate(start, seed_cfg, eval_rows, teacher))
         for name, flags in runs.items():
             t0 = time.time()
             out = os.path.join(args.out, "runs", f"{name}-seed{seed}")
             records = run_one(shlex.split(args.launcher), common + flags + [f"--train.seed={seed}"], out)
-            results[name].append(evaluate(os.path.join(out, "final"), seed_cfg, eval_rows, teacher))
+            results[name].append(evaluate(os.path.join(out, "final"), 0))
             if name == "gad":
                 diagnostics.append([{k: r[k] for k in ("step", "gad/d_acc", "gad/d_loss", "gad/teacher_score",
                                                        "gad/student_score", "actor/kl") if k in r} for r in records])
             print(f"seed {seed} {name}: {results[name][-1]} ({time.time() - t0:.0f}s)", flush=True)
-    results["teacher"] = [evaluate(teacher_dir, run.parse_config(common + [f"--train.seed={s}"]), eval_rows, teacher)
-                          for s in range(1)]
+    results["teacher"] = [evaluate(teacher_dir, 0)]
+    evaluate.engine.close()
     plot(os.path.join(args.out, "gad.png"), results)
     table = ["| model | held-out success | teacher NLL (nats/token) | response length |", "|---|---|---|---|"]
     for name, rs in results.items():
