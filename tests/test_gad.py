@@ -258,7 +258,8 @@ def _teacher_file(tmp_path, n=40):
 @pytest.mark.slow
 def test_two_rank_gad_run_with_both_stages_and_a_resume(tmp_path):
     out = str(tmp_path / "gad")
-    flags = SMALL + ["--algo=gad", f"--data.task={_teacher_file(tmp_path)}", "--data.reward=strops",
+    path = _teacher_file(tmp_path)
+    flags = SMALL + ["--algo=gad", f"--data.task={path}", f"--data.eval_path={path}", "--data.reward=strops",
                      "--gad.warmup_steps=1", "--gad.critic_warmup=1", "--train.mini_batches=2",
                      "--train.micro_batch=3", "--train.save_every=2", f"--log.out_dir={out}"]
     _run(flags + ["--train.steps=3", "--train.eval_every=3"], nproc=2)
