@@ -140,9 +140,9 @@ class DpoConfig:
 class GadConfig:
     """GAD (--algo gad): the discriminator and the two stages (README: GAD)."""
     disc_path: str = ""  # a local HF directory for the discriminator's backbone; empty: the student's start
-    lr: float = 1e-4  # the discriminator's AdamW (the paper's 1e-6 is for 8B models); weight decay and
-    # betas are --optim's
-    grad_clip: float = 1.0
+    # The discriminator's AdamW lr (the paper's 1e-6 is for 8B models); weight decay and betas are --optim's
+    lr: float = 1e-4
+    grad_clip: float = 1.0  # the discriminator's gradient-norm clip
     policy_loss: Literal["ppo", "gspo"] = "ppo"  # the student's clipped surrogate
     warmup_steps: int = 0  # stage 1: SFT of the student on the teacher's responses while the discriminator trains
     critic_warmup: int = 0  # then this many steps train only the discriminator
@@ -150,7 +150,7 @@ class GadConfig:
     # the tiny model after this many SFT steps on the task's references (the student's start has
     # train.warm_start_steps), and writes its sampled text to a JSONL file (cached, README: GAD).
     teacher_steps: int = 1000
-    teacher_temperature: float = 0.6
+    teacher_temperature: float = 0.6  # the self-made teacher's sampling temperature
 
     def __post_init__(self):
         if self.lr <= 0 or self.grad_clip <= 0 or self.warmup_steps < 0 or self.critic_warmup < 0:
