@@ -602,13 +602,13 @@ def keep_images(tokenizer, ids: list[int], cut: list[int], limit: str) -> list[i
     return cut
 
 
-def reference_response_ids(tokenizer, row: dict, eos_id: int, needed_by: str) -> list[int]:
-    """The row's reference response as response token ids ending with eos_id, as a finished
-    generation ends (a last-token difference is the one thing a comparison must not learn).
-    needed_by names the flag that asked for it, for the error on a row without one."""
-    if not row.get("reference"):
+def reference_response_ids(tokenizer, row: dict, eos_id: int, needed_by: str, key: str = "reference") -> list[int]:
+    """The row's reference response (or row[key]) as response token ids ending with eos_id, as a
+    finished generation ends (a last-token difference is the one thing a comparison must not
+    learn). needed_by names the flag that asked for it, for the error on a row without one."""
+    if not row.get(key):
         raise ValueError(f"{row['source']}: {needed_by} needs a reference response (field 'teacher_response')")
-    return tokenizer(row["reference"], add_special_tokens=False)["input_ids"] + [eos_id]
+    return tokenizer(row[key], add_special_tokens=False)["input_ids"] + [eos_id]
 
 
 def truncate_middle(ids: list[int], max_len: int, keep_tail: int = 0) -> list[int]:

@@ -5,12 +5,14 @@ that row's plain functions at fixed points of a step:
 
     references  True: train on the rows' reference responses (SFT) instead of generating
     models      the optional models it needs beside the policy: "teacher" (SDPO's EMA /
-                frozen / trust-region copy), "reference" (DPO's), later "discriminator"
+                frozen / trust-region copy), "reference" (DPO's, GAD's KL anchor),
+                "discriminator" (GAD's, with its own optimizer)
+    row_fields  fields every training row must have (GAD: teacher_response), checked on loading
     prepare     rank 0, after scoring: write what the loss needs onto the rollouts
                 (advantages, teacher contexts, preference pairs) and return the step's
                 metrics; it may append rollouts that were not generated (SPIN's references)
     before_update  every rank, on the shared rollouts: what needs a model before the
-                update (DPO's reference log-probs)
+                update (DPO's reference log-probs; GAD's discriminator step and rewards)
     counted     whether a rollout counts in the loss's normalisation (SDPO: it has a teacher
                 context); the loop turns this into the optimizer step's global counts
     counts      more global counts of an optimizer step from its counted rollouts (DPO: pairs)
@@ -69,6 +71,9 @@ class Rollout:
     preferred_over: list = field(default_factory=list)  # DPO: sample_index of each sibling it is chosen over
     paired: bool = False  # DPO: in at least one preference pair
     reference_logprob: float = 0.0  # DPO: response log-prob under the reference (summed; IPO: mean)
+    reference_logprobs: list | None = None  # GAD: per-token log-probs under the frozen initial policy (KL)
+    discriminator_score: float = 0.0  # GAD: D(prompt, response) before this step's discriminator update
+    trains_policy: bool = True  # GAD: in this step's policy loss (its stage decides which rollouts)
     # written by cache_teacher_hidden on the rank that trains it, consumed by its micro-batch:
     teacher_hidden: torch.Tensor | None = None  # [R, H'] teacher hidden states at the response tokens
 
@@ -79,7 +84,7 @@ class Models:
     policy: torch.nn.Module
     teacher: object = None  # teacher.Teacher: SDPO's EMA / frozen / trust-region / live teacher
     reference: object = None  # teacher.Reference: DPO's frozen copy of the policy, refreshed every N steps
-    discriminator: torch.nn.Module | None = None
+    discriminator: object = None  # discriminator.Critic: GAD's discriminator and its optimizer
 
 
 @dataclass
@@ -621,6 +626,110 @@ def dpo_loss(mb: MicroBatch, models: Models, cfg):
 
 
 # ----------------------------------------------------------------------------------------
+# GAD: on-policy distillation from a black-box teacher's text, a discriminator as the reward
+# (SPEC section 6, arXiv 2511.10643). Per step: the student samples n responses per prompt;
+# the discriminator, trained with the Bradley–Terry loss to score the teacher's response above
+# every student sample of its prompt, scores them with its weights before this step's update
+# (the rewards); GRPO advantages; PPO-clip or GSPO plus a KL to the frozen initial policy.
+# Stages, by the discriminator's step count s: s < --gad.warmup_steps: SFT of the student on the
+# teacher's responses (the paper's warmup); then --gad.critic_warmup steps that train only the
+# discriminator; then GAD. The discriminator trains in every stage.
+#
+# Deliberate differences from the paper's verl recipe: one discriminator optimizer step per
+# rollout batch; the KL in the reward (--algo.kl_in_reward) uses the engine's log-probs of the
+# sampled tokens (a float32 engine on CPU matches the trainer's to 1e-3).
+
+
+def gad_stage(steps_done: int, cfg) -> str:
+    """"warmup" (SFT on the teacher's text), "critic" (the discriminator alone) or "gad"."""
+    if steps_done < cfg.gad.warmup_steps:
+        return "warmup"
+    return "critic" if steps_done < cfg.gad.warmup_steps + cfg.gad.critic_warmup else "gad"
+
+
+def prepare_teacher_responses(rollouts: list, tokenizer, cfg) -> dict:
+    """Append each prompt's teacher response as a rollout (not generated) after its samples:
+    the row's teacher_response, tokenised, ending with the token the engine's finished
+    responses end with (a last-token discriminator would otherwise learn the EOS difference)."""
+    eos = engine_eos(rollouts, tokenizer)
+    groups = prompt_groups(rollouts)
+    for group in groups:
+        first = group[0]
+        ids = data.reference_response_ids(tokenizer, first.row, eos, f"--algo {cfg.algo.name}", "teacher_response")
+        rollouts.append(Rollout(row=first.row, prompt_ids=first.prompt_ids, response_ids=ids,
+                                rollout_logprobs=[0.0] * len(ids), text=first.row["teacher_response"],
+                                truncated=False, generated=False, sample_index=len(group)))
+    teachers = rollouts[len(rollouts) - len(groups):]
+    return {"gad/teacher_length": sum(len(r.response_ids) for r in teachers) / max(len(teachers), 1)}
+
+
+def gad_rewards(rollouts: list, models: Models, cfg, pad_id: int, d: Dist) -> dict:
+    """Every rank: one discriminator step on the step's rollouts, whose pre-update scores of
+    the student samples are their rewards (minus the KL to the initial policy with
+    --algo.kl_in_reward); GRPO advantages; which rollouts the policy trains on this stage."""
+    critic, kl_coef = models.discriminator, cfg.algo.kl_coef
+    stage = gad_stage(critic.steps, cfg)
+    t0 = time.perf_counter()
+    groups = [([r for r in g if r.generated], next(r for r in g if not r.generated)) for g in prompt_groups(rollouts)]
+    update = critic.train_step([(t.prompt_ids + t.response_ids, [s.prompt_ids + s.response_ids for s in students])
+                                for students, t in groups], pad_id, d, cfg.train.micro_batch)
+    scores = iter(update.scores)
+    for students, teacher in groups:
+        for r in [teacher, *students]:
+            r.discriminator_score = next(scores)
+    metrics = {**update.metrics, "gad/stage": ("warmup", "critic", "gad").index(stage),
+               "time/discriminator_s": time.perf_counter() - t0}
+    samples = [r for r in rollouts if r.generated]
+    truncated = [r.discriminator_score for r in samples if r.truncated]
+    if truncated:  # scored as they are: no EOS at the end
+        metrics["gad/student_score_truncated"] = sum(truncated) / len(truncated)
+    rewards = torch.tensor([r.discriminator_score for r in samples], dtype=torch.float64)
+    if stage == "gad" and models.reference is not None:
+        t0 = time.perf_counter()
+        reference = response_logprobs(models.reference.model, samples, pad_id, d, cfg.train.micro_batch,
+                                      cfg.rollout.temperature)
+        reshard(models.reference.model)  # a no-grad forward leaves FSDP2's root unsharded
+        metrics["time/reference_s"] = time.perf_counter() - t0
+        sequence_kl = []
+        for r, logprobs in zip(samples, reference):
+            r.reference_logprobs = logprobs
+            sequence_kl.append(losses.kl_estimate(torch.tensor(r.rollout_logprobs), torch.tensor(logprobs),
+                                                  cfg.algo.kl_type.rstrip("+")).sum().item())
+        if cfg.algo.kl_in_reward:
+            rewards -= kl_coef * torch.tensor(sequence_kl, dtype=torch.float64)
+            metrics["gad/reward_kl"] = sum(sequence_kl) / max(len(sequence_kl), 1)
+    norm = True if cfg.algo.norm_adv_by_std is None else cfg.algo.norm_adv_by_std
+    advantages = losses.grpo_advantages(rewards, [r.row["uid"] for r in samples], norm_by_std=norm)
+    for r, a in zip(samples, advantages.tolist()):
+        r.advantage = a
+    for r in rollouts:
+        r.trains_policy = {"warmup": not r.generated, "critic": False, "gad": r.generated}[stage]
+    metrics["gad/reward_mean"] = rewards.mean().item() if len(samples) else 0.0
+    return metrics
+
+
+def gad_loss(mb: MicroBatch, models: Models, cfg):
+    """Warmup stage: SFT on the teacher's responses. GAD: PPO-clip (or GSPO, --gad.policy_loss)
+    on the discriminator's advantages, plus --algo.kl_coef times the --algo.kl_type estimate
+    of KL(policy ‖ initial policy) on the sampled tokens (unless it is in the reward), both
+    aggregated alike."""
+    if not mb.rollouts[0].generated:  # a stage trains on one kind of rollout only
+        return sft_loss(mb, models, cfg)
+    logprobs, entropy = forward(models.policy, mb.packed, logprob_head(mb.packed.targets, cfg.rollout.temperature))
+    surrogate = cfg.gad.policy_loss
+    loss, stats = clipped_loss(mb, logprobs, entropy, mb.per_sequence(lambda r: r.advantage), cfg, surrogate)
+    if mb.rollouts[0].reference_logprobs is not None:
+        reference = torch.tensor([v for r in mb.rollouts for v in r.reference_logprobs], device=mb.device)
+        mask = mb.response_mask
+        kl = losses.kl_estimate(mb.matrix(logprobs), mb.matrix(reference), cfg.algo.kl_type) * mask
+        stats["actor/kl"] = (kl.detach().sum().item(), mask.sum().item())
+        if not cfg.algo.kl_in_reward:
+            loss = loss + cfg.algo.kl_coef * aggregate(mb, kl, mask, cfg,
+                                                       "seq-mean-token-mean" if surrogate == "gspo" else "token-mean")
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------------------
 # The table
 
 
@@ -636,6 +745,7 @@ class Objective:
     counted_only: bool = False  # True: uncounted rollouts are left out of the micro-batches
     keep_prompts_together: bool = False  # True: a prompt's samples always share a micro-batch
     models: tuple = ()  # optional models: "teacher", "reference", "discriminator"
+    row_fields: tuple = ()  # fields every training row must have
     references: bool = False  # train on the rows' references instead of generating
 
 
@@ -650,4 +760,7 @@ OBJECTIVES = {
                      counted=lambda r: r.paired, counted_only=True, keep_prompts_together=True,
                      counts=lambda rollouts: {"pairs": sum(len(r.preferred_over) for r in rollouts)},
                      models=("reference",)),
+    "gad": Objective(loss=gad_loss, prepare=prepare_teacher_responses, before_update=gad_rewards,
+                     counted=lambda r: r.trains_policy, counted_only=True, models=("reference", "discriminator"),
+                     row_fields=("teacher_response",)),
 }

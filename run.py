@@ -35,6 +35,7 @@ import objectives
 import sdpo
 from objectives import Dist, Models, Rollout
 from rollout import EngineError, engine_state
+from discriminator import Critic
 from teacher import Reference, Teacher, full_tensor, reshard
 
 # ----------------------------------------------------------------------------------------
@@ -93,11 +94,16 @@ class AlgoConfig:
     name: Annotated[Literal[tuple(objectives.OBJECTIVES)],
                     __import__("tyro").conf.arg(name="algo", prefix_name=False)] = "sdpo"
     lam: float = 0.9  # hybrid: A = lam * A_grpo + (1 - lam) * A_sdpo
-    norm_adv_by_std: bool = False  # GRPO std normalisation (False: Dr. GRPO, as in the SDPO runs)
+    # GRPO std normalisation; default: off (Dr. GRPO, as in the SDPO runs), except for GAD, whose
+    # discriminator score has no fixed scale
+    norm_adv_by_std: bool | None = None
     eps_low: float = 0.2  # PPO clip
     eps_high: float = 0.2  # 0.28 for DAPO's clip-higher
     gspo_eps_low: float = 3e-4  # GSPO clips a sequence-level ratio: far narrower ranges
     gspo_eps_high: float = 4e-4
+    kl_coef: float = 0.001  # GAD: weight of the KL to the initial policy (SPEC 6: k3, 0.001)
+    kl_type: Literal[tuple(k + p for k in losses.KL_KINDS for p in ("", "+"))] = "k3"  # "+": k2's gradient
+    kl_in_reward: bool = False  # GAD: subtract kl_coef * the sequence's KL from the reward instead of a loss term
     loss_agg_mode: Literal["auto", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"] = "auto"  # auto: seq-mean-token-mean for GSPO, else token-mean
 
@@ -135,6 +141,28 @@ class DpoConfig:
                              f"(got {self.label_smoothing}), ref_update_every >= 0 (got {self.ref_update_every})")
         if self.reference_free and self.ref_update_every:
             raise ValueError("--dpo.reference_free has no reference to refresh: drop --dpo.ref_update_every")
+
+
+@dataclass
+class GadConfig:
+    """GAD (--algo gad): the discriminator and the two stages (README: GAD)."""
+    disc_path: str = ""  # a local HF directory for the discriminator's backbone; empty: the student's start
+    # The discriminator's AdamW lr (the paper's 1e-6 is for 8B models); weight decay and betas are --optim's
+    lr: float = 1e-4
+    grad_clip: float = 1.0  # the discriminator's gradient-norm clip
+    policy_loss: Literal["ppo", "gspo"] = "ppo"  # the student's clipped surrogate
+    warmup_steps: int = 0  # stage 1: SFT of the student on the teacher's responses while the discriminator trains
+    critic_warmup: int = 0  # then this many steps train only the discriminator
+    # On a synthetic task the rows have no teacher_response: the project makes a black-box teacher,
+    # the tiny model after this many SFT steps on the task's references (the student's start has
+    # train.warm_start_steps), and writes its sampled text to a JSONL file (cached, README: GAD).
+    teacher_steps: int = 1000
+    teacher_temperature: float = 0.6  # the self-made teacher's sampling temperature
+
+    def __post_init__(self):
+        if self.lr <= 0 or self.grad_clip <= 0 or self.warmup_steps < 0 or self.critic_warmup < 0:
+            raise ValueError(f"--gad: need lr > 0 (got {self.lr}), grad_clip > 0 (got {self.grad_clip}), "
+                             f"warmup_steps, critic_warmup >= 0 (got {self.warmup_steps}, {self.critic_warmup})")
 
 
 @dataclass
@@ -193,6 +221,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     sdpo: SdpoArgs = field(default_factory=SdpoArgs)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    gad: GadConfig = field(default_factory=GadConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -543,9 +572,21 @@ def batch_rows(rows: list, step: int, n: int, seed: int) -> list:
 
 
 def load_data(cfg: Config, announce: bool = False):
-    """(train rows, held-out rows). A data file without --data.eval_path is split by a hash of
-    each row's uid, --data.heldout_percent held out; announce says so (users have trained on
-    90% of a file without knowing)."""
+    """(train rows, held-out rows), with the fields the objective needs (e.g. GAD's
+    teacher_response) checked in every training row before any work."""
+    train_rows, eval_rows = read_rows(cfg, announce)
+    for field_name in objectives.OBJECTIVES[cfg.algo.name].row_fields:
+        for row in train_rows:
+            if not row.get(field_name):
+                raise data.DataError(f"{row['source']}, field '{field_name}': missing or empty, and --algo "
+                                     f"{cfg.algo.name} needs it in every training row")
+    return train_rows, eval_rows
+
+
+def read_rows(cfg: Config, announce: bool = False):
+    """A data file without --data.eval_path is split by a hash of each row's uid,
+    --data.heldout_percent held out; announce says so (users have trained on 90% of a file
+    without knowing)."""
     d = cfg.data
     if d.reward == "code" or d.allow_weak_sandbox:  # refuse a sandbox that cannot isolate, before any work
         from feedback import sandbox
@@ -1048,6 +1089,11 @@ def build_trainer(cfg: Config, objective, model_dir: str, d: Dist) -> Trainer:
         models.teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate, copy)
     if "reference" in objective.models and not cfg.dpo.reference_free:
         models.reference = Reference(load_policy(model_dir, cfg, d.world, d.device), cfg.dpo.ref_update_every)
+    if "discriminator" in objective.models:
+        import discriminator
+        o, g = cfg.optim, cfg.gad
+        models.discriminator = Critic(discriminator.load(g.disc_path or model_dir, cfg.train.seed, d.world, d.device),
+                                      g.lr, o.weight_decay, g.grad_clip, (o.beta1, o.beta2))
     return Trainer(models, optimizer, scheduler)
 
 
@@ -1151,7 +1197,7 @@ def load_checkpoint(path: str, trainer: Trainer, cfg: Config, d: Dist):
     dcp.load(state, checkpoint_id=path)
     set_state_dict(trainer.models.policy, trainer.optimizer, model_state_dict=state["policy"],
                    optim_state_dict=state["optimizer"])
-    for name in ("teacher", "reference"):
+    for name in ("teacher", "reference", "discriminator"):
         if name in state:
             getattr(trainer.models, name).load_state_dict(state[name])
     torch.set_rng_state(state["meta"]["torch_rng"])
@@ -1205,6 +1251,8 @@ def checkpoint_state(trainer: Trainer, step: int) -> dict:
         state["teacher"] = trainer.models.teacher.state_dict()
     if trainer.models.reference is not None:
         state["reference"] = trainer.models.reference.state_dict()
+    if trainer.models.discriminator is not None:  # with its optimizer and step count
+        state["discriminator"] = trainer.models.discriminator.state_dict()
     return state
 
 
@@ -1351,6 +1399,7 @@ class Logger:
 class Progress:
     SHOWN = {"reward/mean": "reward", "reward/success_rate": "success", "eval/success_rate": "eval",
              "sdpo/teacher_coverage": "coverage", "sdpo/divergence": "div", "dpo/accuracy": "pref_acc",
+             "gad/d_acc": "d_acc",
              "time/step_s": "s/step"}
 
     def __init__(self, start, total, enabled, desc):
@@ -1410,6 +1459,67 @@ def resolve_model(cfg: Config, d: Dist) -> str:
     return os.path.join(path, "final")
 
 
+def teacher_model(cfg: Config, d: Dist) -> tuple[Config, str]:
+    """The self-made black-box teacher: the tiny model after --gad.teacher_steps SFT steps on
+    the task's references, plain prompts only (cached like the student's warm start)."""
+    teacher_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=""), train=dataclasses.replace(
+        cfg.train, warm_start_steps=cfg.gad.teacher_steps, warm_start_demo_frac=0.0, warm_start_feedback_frac=0.0))
+    return teacher_cfg, resolve_model(teacher_cfg, d)
+
+
+def with_teacher_data(cfg: Config, d: Dist) -> Config:
+    """cfg reading a teacher's responses when the objective needs them and the task is synthetic.
+
+    The black-box teacher is the tiny model after --gad.teacher_steps SFT steps on the task's
+    references (a warm start of its own, cached). It answers each training prompt once at
+    --gad.teacher_temperature; rows whose answer ran out of tokens or is empty are dropped (an
+    API teacher's answers are finished). Its text goes to <teacher>-data-<hash>/train.jsonl (uid, prompt,
+    answer, tests, teacher_response: the file a user brings), next to heldout.jsonl (the task's
+    held-out rows). Training reads only that text; the teacher's weights serve evaluation alone.
+    """
+    if "teacher_response" not in objectives.OBJECTIVES[cfg.algo.name].row_fields or cfg.data.task not in data.TASKS:
+        return cfg
+    import hashlib
+    teacher_cfg, teacher_dir = teacher_model(cfg, d)
+    recipe = json.dumps([teacher_dir, dataclasses.asdict(cfg.data), cfg.train.seed, cfg.gad.teacher_temperature,
+                         cfg.rollout.max_tokens], sort_keys=True)
+    out = os.path.dirname(teacher_dir) + "-data-" + hashlib.sha1(recipe.encode()).hexdigest()[:10]
+    paths = {"train": os.path.join(out, "train.jsonl"), "heldout": os.path.join(out, "heldout.jsonl")}
+    if not os.path.exists(paths["heldout"]):  # written last
+        train_rows, eval_rows = read_rows(cfg)
+        tokenizer = load_tokenizer(teacher_dir)
+        engine = start_engine(teacher_cfg, teacher_dir, tokenizer, train_rows, d)
+        rank0_call(d, lambda: write_teacher_data(engine, tokenizer, train_rows, eval_rows, teacher_cfg, out, paths),
+                   share=False)
+        if engine is not None:
+            engine.close()
+    return dataclasses.replace(cfg, data=dataclasses.replace(
+        cfg.data, task=paths["train"], eval_path=paths["heldout"], fields="",
+        reward=cfg.data.reward or data.task_rows(cfg.data.task, "test", 1, cfg=cfg.data)[0]["reward"]))
+
+
+def write_teacher_data(engine, tokenizer, train_rows: list, eval_rows: list, cfg: Config, out: str, paths: dict):
+    rollouts = generate_and_score(engine, tokenizer, train_rows, cfg, stream_seed("generation", cfg.train.seed, 0), 1,
+                                  cfg.gad.teacher_temperature)
+    tmp = out + f".tmp-{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    record = lambda row, **extra: json.dumps({"uid": row["uid"], "prompt": row["messages"], "answer": row["answer"],
+                                              "tests": row["tests"], **extra})
+    finished = [r for r in rollouts if not r.truncated and r.text.strip()]
+    with open(os.path.join(tmp, "train.jsonl"), "w") as f:
+        for r in finished:
+            f.write(record(r.row, teacher_response=r.text) + "\n")
+    with open(os.path.join(tmp, "heldout.jsonl"), "w") as f:
+        for row in eval_rows:
+            f.write(record(row) + "\n")
+    print(f"teacher data: {len(finished)} of {len(rollouts)} answers finished and not empty, success "
+          f"{success_rate(finished, cfg):.3f} on the training prompts -> {out}")
+    if os.path.exists(out):  # another process won the race
+        shutil.rmtree(tmp)
+    else:
+        os.rename(tmp, out)
+
+
 def parse_config(argv=None) -> Config:
     """Flags -> Config. Booleans take a value (--sdpo.add_tail=False), as sweep agents pass them."""
     import re
@@ -1425,6 +1535,7 @@ def main(argv=None):
     rank0_call(d, lambda: check_out_dir(cfg, resuming=bool(cfg.train.resume)))  # not after the warm start
     t0 = time.perf_counter()
     model_dir = resolve_model(cfg, d)
+    cfg = with_teacher_data(cfg, d)
     metrics = train(cfg, model_dir, d)
     if d.rank == 0:
         shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("eval/", "reward/"))}

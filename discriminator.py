@@ -1,0 +1,164 @@
+"""GAD's discriminator (SPEC section 6): a copy of the student's backbone with a scalar head.
+
+D(prompt, response) = w · h_last + b, where h_last is the backbone's final hidden state at the
+sequence's last real token (its EOS for a finished response). It is a network of its own beside
+the policy, with its own AdamW and gradient clip, FSDP2-sharded like the policy and saved in
+the run's checkpoints; the policy never shares its weights.
+
+Each step it is trained with the Bradley–Terry loss −logσ(D(teacher) − D(student)), every
+teacher response paired with every student sample of its prompt, normalised by the step's
+global pair count so that the gradient does not depend on micro-batching or the number of
+ranks. The scores of that training forward are the student's rewards: they come from the
+weights *before* the discriminator's update, as GAD prescribes, at no extra forward.
+
+No dropout: the backbone's dropout rates are set to 0, so that the score a reward is read
+from is the score the loss trains.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import losses
+from teacher import full_tensor, reshard
+
+
+class Discriminator(torch.nn.Module):
+    """A causal backbone (HF base model, no LM head) and a scalar head at the last real token."""
+
+    def __init__(self, backbone, seed: int = 0):
+        super().__init__()
+        self.backbone = backbone
+        self.head = torch.nn.Linear(backbone.config.hidden_size, 1)
+        # A fresh head, the same on every rank whatever else consumed the global RNG.
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.head.weight.normal_(0.0, backbone.config.initializer_range, generator=g)
+            self.head.bias.zero_()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Scores [B] of padded sequences input_ids [B, L] (left- or right-padded; mask [B, L]):
+        positions count real tokens only, so that padding on either side gives the same score."""
+        positions = (attention_mask.cumsum(1) - 1).clamp(min=0)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=positions).last_hidden_state
+        width = attention_mask.shape[1]
+        last = (attention_mask * torch.arange(1, width + 1, device=attention_mask.device)).argmax(1)
+        return self.head(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1).float()
+
+
+def load(path: str, seed: int, world: int, device):
+    """The backbone of the HF model in path (a causal LM's directory works: its LM head is
+    dropped) with dropout off, a fresh head, FSDP2-sharded like the policy."""
+    from transformers import AutoConfig, AutoModel
+    config = AutoConfig.from_pretrained(path)
+    for name in list(vars(config)):
+        if "dropout" in name and isinstance(getattr(config, name), float):
+            setattr(config, name, 0.0)
+    backbone = AutoModel.from_pretrained(path, config=config, dtype=torch.float32)
+    model = Discriminator(backbone, seed).to(device)
+    if world > 1:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} \
+            if device.type == "cuda" else {}
+        for layer in backbone.layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+    return model
+
+
+@dataclass
+class Update:
+    """One discriminator step: every scored sequence's pre-update score, and the metrics."""
+    scores: list  # one float per sequence given, in order
+    metrics: dict
+
+
+class Critic:
+    """The discriminator, its optimizer and how many steps it has trained (checkpointed)."""
+
+    def __init__(self, model: Discriminator, lr: float, weight_decay: float, grad_clip: float, betas=(0.9, 0.999)):
+        self.model, self.grad_clip, self.steps = model, grad_clip, 0
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+
+    def score(self, seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
+        """Scores [B] of token-id sequences, without gradient (right-padded)."""
+        with torch.no_grad():
+            scores = self.model(*right_pad(seqs, pad_id, device))
+        reshard(self.model)
+        return scores
+
+    def train_step(self, groups: list, pad_id: int, d, micro_batch: int) -> Update:
+        """One Bradley–Terry step over groups: (teacher ids, [student ids, ...]) per prompt.
+
+        Every rank takes a share of the groups (FSDP2: as many forwards each); the loss of a
+        micro-batch is its pairs' summed −logσ(D_t − D_s) over the step's global pair count.
+        Returns the pre-update scores of every sequence (teacher first, then its students,
+        group by group) on every rank, and d_loss, d_acc, the mean scores and the grad norm.
+        """
+        self.model.train()
+        mine = list(range(len(groups)))[d.rank::d.world]
+        per_call = max(1, micro_batch // max(1 + max((len(s) for _, s in groups), default=1), 1))
+        calls = max(1, math.ceil(math.ceil(len(groups) / d.world) / per_call))
+        pairs = sum(len(students) for _, students in groups)
+        local, sums = {}, torch.zeros(5, dtype=torch.float64)  # d_loss, d_acc, teacher, student, teachers
+        for c in range(calls):
+            part = mine[c * per_call:(c + 1) * per_call]
+            if d.world > 1:  # reduce-scatter the gradient once, after the last micro-batch
+                self.model.set_requires_gradient_sync(c == calls - 1)
+            if not part:  # FSDP2's collectives: a rank with fewer groups runs a zero loss
+                (self.model(*right_pad([[pad_id]], pad_id, d.device)).sum() * 0.0).backward()
+                continue
+            seqs = [s for g in part for s in [groups[g][0], *groups[g][1]]]
+            scores = self.model(*right_pad(seqs, pad_id, d.device))
+            loss_sum, start = 0.0, 0
+            for g in part:
+                n = len(groups[g][1])
+                teacher, students = scores[start], scores[start + 1:start + 1 + n]
+                loss, accuracy = losses.discriminator_loss(teacher.expand(n), students)
+                loss_sum = loss_sum + loss * n  # the mean over its n pairs, back to a sum
+                sums += torch.tensor([loss.item() * n, accuracy.item() * n, teacher.item(), students.sum().item(), 1.0],
+                                     dtype=torch.float64)
+                local[g] = scores[start:start + 1 + n].detach().tolist()
+                start += 1 + n
+            (loss_sum / max(pairs, 1) * d.world).backward()  # FSDP2 averages gradients over ranks
+        if d.world > 1:
+            gathered = [None] * d.world
+            dist.all_gather_object(gathered, local)
+            for g in gathered:
+                local.update(g)
+            dist.all_reduce(sums)
+        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        reshard(self.model)
+        pairs, teachers = max(pairs, 1), max(sums[4].item(), 1.0)
+        metrics = {"gad/d_loss": sums[0].item() / pairs, "gad/d_acc": sums[1].item() / pairs,
+                   "gad/teacher_score": sums[2].item() / teachers, "gad/student_score": sums[3].item() / pairs,
+                   "gad/d_grad_norm": grad_norm, "gad/d_skipped_steps": float(not math.isfinite(grad_norm))}
+        return Update([s for g in range(len(groups)) for s in local[g]], metrics)
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optimizer": optimizer, "steps": torch.tensor(self.steps)}
+
+    def load_state_dict(self, state: dict):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        self.steps = int(state["steps"])
+
+
+def right_pad(seqs: list[list[int]], pad_id: int, device):
+    """Right-padded input ids and attention mask [B, L] on device."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, :len(s)] = 1
+    return ids.to(device), mask.to(device)
