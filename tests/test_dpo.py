@@ -237,8 +237,8 @@ def test_reference_refreshes_exactly_at_multiples_of_the_interval():
 class ProbeEngine:
     """Accepts every weight sync (run.sync_engine's contract) without a vLLM engine."""
 
-    def update_weights(self, state, probe, trainer_logprobs, tol):
-        return SimpleNamespace(probe_max_abs_diff=0.0)
+    def update_weights(self, state, probe, trainer_logprobs, tol, version=None, probe_images=None):
+        return SimpleNamespace(probe_max_abs_diff=0.0, waited_s=0.0, engine_idle_s=0.0)
 
 
 def test_the_loop_refreshes_the_reference_after_every_nth_step(tiny_dir, tokenizer):
@@ -271,8 +271,8 @@ def test_checkpoint_restores_the_reference(tiny_dir, tmp_path):
                            optimizer, NoSchedule())
 
     saved, restored = trainer(1), trainer(10)
-    run.save_checkpoint(str(tmp_path / "ckpt"), saved, 4)
-    assert run.load_checkpoint(str(tmp_path / "ckpt"), restored) == 4
+    run.save_checkpoint(str(tmp_path / "ckpt"), saved, 4, None, ONE_PROCESS)
+    assert run.load_checkpoint(str(tmp_path / "ckpt"), restored, run.parse_config([]), ONE_PROCESS) == (4, None)
     for a, b in zip(saved.models.reference.model.parameters(), restored.models.reference.model.parameters()):
         assert torch.equal(a, b)
 
