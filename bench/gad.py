@@ -47,8 +47,9 @@ class Evaluator:
     def __call__(self, model_dir: str, seed: int) -> dict:
         """Held-out success of model_dir's samples and the teacher's NLL of them (per token)."""
         import run
+        self.loads = getattr(self, "loads", 0) + 1  # the weights' version, as the engine stamps samples
         run.sync_engine(self.cfg, self.engine, run.load_policy(model_dir, self.cfg, 1, self.d.device), self.tokenizer,
-                        self.d)
+                        self.d, self.loads)
         rollouts = run.generate_and_score(self.engine, self.tokenizer, self.rows, self.cfg, seed, self.cfg.rollout.eval_k,
                                           self.cfg.rollout.eval_temperature)
         return {"success": run.success_rate(rollouts, self.cfg),

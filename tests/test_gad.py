@@ -177,7 +177,7 @@ def _kl_grads(tiny_dir, tokenizer, kind, coef=1.0):
         r.advantage = 0.0  # the clipped surrogate contributes no gradient: only the KL term is left
         r.reference_logprobs = (torch.tensor(r.rollout_logprobs) + torch.randn(len(r.response_ids), generator=g)).tolist()
     counts = run.step_counts(rollouts, GAD)
-    mb = run.objectives.micro_batch(rollouts, counts, tokenizer.pad_token_id, "cpu", None, 1)
+    mb = run.objectives.micro_batch(None, rollouts, counts, tokenizer.pad_token_id, "cpu", None, 1)
     loss, stats = gad_loss(mb, Models(policy), cfg)
     loss.backward()
     return [p.grad.clone() for p in policy.parameters()], stats["actor/kl"], loss.item()
@@ -206,7 +206,7 @@ def test_kl_in_the_reward_instead_of_the_loss(tiny_dir, tokenizer):
     expected = losses.grpo_advantages(rewards, [r.row["uid"] for r in students])
     assert [r.advantage for r in students] == pytest.approx(expected.tolist(), abs=1e-6)
     assert metrics["gad/reward_kl"] == pytest.approx(sum(kl) / len(kl), rel=1e-5)
-    mb = run.objectives.micro_batch(students, run.step_counts(students, GAD), tokenizer.pad_token_id, "cpu", None, 1)
+    mb = run.objectives.micro_batch(None, students, run.step_counts(students, GAD), tokenizer.pad_token_id, "cpu", None, 1)
     with_kl = gad_loss(mb, trainer.models, cfg)[0]
     without = gad_loss(mb, trainer.models, gad_config("--rollout.n=3", "--algo.kl_coef=0"))[0]
     assert with_kl.item() == pytest.approx(without.item(), rel=1e-6)  # the loss has no KL term
@@ -220,10 +220,10 @@ def test_checkpoint_restores_both_networks_and_both_optimizers(tiny_dir, tokeniz
     cfg = gad_config("--rollout.n=3")
     saved = _trainer(tiny_dir, cfg, seed=1)
     run.update_policy(cfg, GAD, saved, _gad_rollouts(tokenizer, cfg), 0, tokenizer.pad_token_id, ONE_PROCESS)
-    run.save_checkpoint(str(tmp_path / "ckpt"), saved, 1)
+    run.save_checkpoint(str(tmp_path / "ckpt"), saved, 1, None, ONE_PROCESS)
     restored = _trainer(tiny_dir, cfg, seed=9)
     restored.models.discriminator = Critic(discriminator.load(tiny_dir, 5, 1, torch.device("cpu")), 1e-3, 0.0, 1e9)
-    assert run.load_checkpoint(str(tmp_path / "ckpt"), restored) == 1
+    assert run.load_checkpoint(str(tmp_path / "ckpt"), restored, cfg, ONE_PROCESS) == (1, None)
     a, b = saved.models, restored.models
     for x, y in [(a.policy, b.policy), (a.discriminator.model, b.discriminator.model)]:
         for p, q in zip(x.parameters(), y.parameters()):
