@@ -230,7 +230,7 @@ def test_each_batch_comes_from_the_weights_before_the_last_update(tiny_dir, toke
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["sdpo", "grpo"])
+@pytest.mark.parametrize("algo", [pytest.param("sdpo", marks=pytest.mark.extended), "grpo"])
 def test_two_rank_torchrun_generates_ahead(algo, tmp_path):
     out = str(tmp_path / algo)
     _run(SMALL + [f"--algo={algo}", "--train.steps=3", "--train.off_policy_steps=1", "--train.eval_every=3",

@@ -377,6 +377,7 @@ def test_two_ranks_give_the_gradients_of_one(tiny_dir, tokenizer, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # two-rank DPO gradients: test_two_ranks_give_the_gradients_of_one
 def test_two_rank_spin_run_refreshes_the_reference_and_syncs(tmp_path):
     out = str(tmp_path / "spin")
     _run(SMALL + ["--algo=dpo", "--dpo.chosen=reference", "--dpo.ref_update_every=1", "--train.steps=3",

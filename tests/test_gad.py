@@ -256,12 +256,12 @@ def _teacher_file(tmp_path, n=40):
 
 
 @pytest.mark.slow
-def test_two_rank_gad_run_with_both_stages_and_a_resume(tmp_path):
+def test_two_rank_gad_run_with_both_stages(tmp_path):
     out = str(tmp_path / "gad")
     path = _teacher_file(tmp_path)
     flags = SMALL + ["--algo=gad", f"--data.task={path}", f"--data.eval_path={path}", "--data.reward=strops",
                      "--gad.warmup_steps=1", "--gad.critic_warmup=1", "--train.mini_batches=2",
-                     "--train.micro_batch=3", "--train.save_every=2", f"--log.out_dir={out}"]
+                     "--train.micro_batch=3", f"--log.out_dir={out}"]
     _run(flags + ["--train.steps=3", "--train.eval_every=3"], nproc=2, timeout=900)
     steps = [r for r in _metrics(out) if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3] and [r["gad/stage"] for r in steps] == [0, 1, 2]
@@ -271,7 +271,4 @@ def test_two_rank_gad_run_with_both_stages_and_a_resume(tmp_path):
             assert key in r, key
     assert steps[1]["actor/skipped_steps"] == 2  # the critic warmup leaves the policy alone
     assert "actor/kl" in steps[2] and "actor/pg_clipfrac" in steps[2] and "eval/success_rate" in steps[2]
-    _run(flags + ["--train.steps=4", "--train.eval_every=0", f"--train.resume={out}/checkpoint-2"], nproc=2, timeout=900)
-    resumed = [r for r in _metrics(out) if r["step"] >= 3]  # the resumed run drops the log past its checkpoint
-    assert [r["step"] for r in resumed] == [3, 4]
-    assert resumed[0]["gad/d_loss"] == pytest.approx(steps[2]["gad/d_loss"], rel=1e-4)  # same weights, same batch
+    # resuming both networks and both optimizers is test_checkpoint_restores_both_networks_and_both_optimizers

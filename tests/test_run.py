@@ -471,6 +471,7 @@ def test_two_rank_torchrun_trains_and_syncs(algo, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # resume equality, stronger: test_faults' kill -9 and resume
 def test_single_process_run_with_checkpoint_and_resume(tmp_path):
     """In-process engine; trust-region teacher and two mini-batches (old log-probs pass);
     a checkpoint after step 1 resumes to the same step-2 batch."""
@@ -491,6 +492,7 @@ def test_single_process_run_with_checkpoint_and_resume(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_test_time_self_distillation_mode(tmp_path):
     """--ttt_prompts: held-out prompts the model fails in eval_k samples, each trained on
     alone from the initial weights; discovery@k agrees with the per-prompt records."""
