@@ -1430,7 +1430,7 @@ def resolve_model(cfg: Config, d: Dist) -> str:
         tiny = rank0_call(d, lambda: data.tiny_vlm_dir(data.TinyVLMConfig(**dataclasses.asdict(cfg.model.tiny))))
     else:
         tiny = rank0_call(d, lambda: data.tiny_model_dir(cfg.model.tiny))
-    if not cfg.train.warm_start_steps or cfg.algo.name == "sft":
+    if not cfg.train.warm_start_steps or objectives.OBJECTIVES[cfg.algo.name].references:
         return tiny
     # The warm start is `--algo sft` with the train.warm_start_* values, one optimizer step per
     # batch; the cache key holds only what it reads, so runs that differ in RL-only flags (the

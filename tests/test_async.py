@@ -8,7 +8,6 @@ the weights before the last update, by its tags, its log-probs and the engine's 
 the start of each generation, and no generation overlaps a weight load (in process,
 instrumented); two-rank torchrun runs of SDPO and GRPO.
 """
-import copy
 import json
 import os
 import time
@@ -22,20 +21,11 @@ import rollout
 import run
 from objectives import OBJECTIVES, Models
 from teacher import Teacher
+from test_rollout import perturbed
 from test_run import CPU, ONE_PROCESS, ROOT, SMALL, GradRecorder, NoSchedule, _metrics, _policy, _rollouts, _run
 
 # ----------------------------------------------------------------------------------------
 # one optimizer step on a stale batch
-
-
-def _moved(policy, seed, scale=0.005):
-    """A copy of policy after a small step in a random direction (the next policy version)."""
-    moved = copy.deepcopy(policy)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in moved.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return moved
 
 
 def _grads_of_loss(objective, models, rollouts, old_logprobs, cfg, pad_id):
@@ -63,7 +53,7 @@ def test_one_optimizer_step_on_a_stale_batch_needs_no_separate_old_logprobs(tiny
                             "--sdpo.chunk_size=7"])
     objective, pad_id = OBJECTIVES[algo], tokenizer.pad_token_id
     engine_version = _policy(tiny_dir, seed=3)
-    policy = _moved(engine_version, seed=4)  # one update later
+    policy = perturbed(engine_version, seed=4, scale=0.005)  # one update later
     teacher = Teacher("ema", 0.05, _policy(tiny_dir)) if "teacher" in objective.models else None
     rollouts = _rollouts(tokenizer, algo)
     temperature = cfg.rollout.temperature
