@@ -317,8 +317,8 @@ def test_ctrl_c_stops_the_run_and_its_engine(tmp_path):
     except subprocess.TimeoutExpired:
         _kill_session(proc)
         raise
-    assert proc.returncode != 0
-    assert "KeyboardInterrupt" in output
+    assert proc.returncode != 0, output[-5000:]
+    assert "KeyboardInterrupt" in output, output[-5000:]
     deadline = time.monotonic() + 60
     while _session_processes(proc) and time.monotonic() < deadline:
         time.sleep(0.5)
