@@ -41,13 +41,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--algos", default="grpo,sdpo,dpo", help="synchronous rows; the ratios are to grpo")
-    parser.add_argument("--async_algos", default="grpo,sdpo", help="also with --train.off_policy_steps 1")
+    parser.add_argument("--async_algos", default="grpo,sdpo", help="also with --train.off_policy_steps 1; \"\" for none")
     args, extra = parser.parse_known_args()
     tmp = tempfile.mkdtemp(prefix="bench-step-")
     # Build (or find) the cached warm start outside the timed runs.
     run("grpo", 1, extra, os.path.join(tmp, "prime"))  # builds the tiny model and its warm start, if missing
     means = {}
-    algos, async_algos = args.algos.split(","), args.async_algos.split(",")
+    algos, async_algos = ([a for a in names.split(",") if a] for names in (args.algos, args.async_algos))
     for algo in dict.fromkeys(algos + async_algos):
         for mode, flags in MODES.items():
             if algo not in (algos if mode == "sync" else async_algos):
