@@ -372,6 +372,11 @@ def rank0_call(d: Dist, fn, share: bool = True):
             result = fn()
         except Exception as e:  # re-raised below, on every rank
             error = e
+            if world > 1:
+                # Now, not after unwinding: the other ranks exit first, and torchrun then stops
+                # this one while it closes the engine, before Python prints the traceback.
+                import traceback
+                print("rank 0 failed:", "".join(traceback.format_exception(e)), file=sys.stderr, flush=True)
     if world > 1:
         box = [(result if share else None, None if error is None else f"{type(error).__name__}: {error}",
                 isinstance(error, EngineError))]

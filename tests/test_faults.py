@@ -295,8 +295,8 @@ def test_engine_killed_mid_step_stops_both_ranks_with_an_engine_error(tmp_path):
         _kill_session(proc)
     assert time.monotonic() - t0 < 120  # detected by watching the engine's processes, not by a timeout
     assert proc.returncode != 0
-    assert "rollout.EngineError: vLLM engine" in output  # rank 0
-    assert "rollout.EngineError: rank 0 failed: EngineError: vLLM engine" in output  # rank 1
+    assert "rollout.EngineError: vLLM engine" in output, output[-8000:]  # rank 0
+    assert "rollout.EngineError: rank 0 failed: EngineError: vLLM engine" in output, output[-8000:]  # rank 1
     assert 8 not in _steps_logged(out)
     resume_from = run.checkpoint_path(out)
     assert os.path.exists(os.path.join(resume_from, ".metadata"))
