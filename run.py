@@ -424,18 +424,30 @@ def reward_function(cfg: Config, row: dict):
     return functools.partial(fn, **kwargs)
 
 
-def evaluate(engine, tokenizer, rows, cfg: Config, seed: int) -> dict:
+def evaluate(engine, tokenizer, rows, cfg: Config, seed: int, before: list | None = None) -> tuple[dict, list]:
     """avg@k success and its standard error, mean response length and truncation rate on
-    held-out rows."""
+    held-out rows; and each row's success. before: each row's success at an earlier
+    evaluation of the same rows; then also the gain since and its paired standard error."""
     rollouts = generate_and_score(engine, tokenizer, rows, cfg, seed, cfg.rollout.eval_k, cfg.rollout.eval_temperature)
     n = max(len(rollouts), 1)
-    return {
+    per_row = row_success(rollouts, cfg.rollout.eval_k, cfg)
+    metrics = {
         "eval/success_rate": success_rate(rollouts, cfg),
-        "eval/success_stderr": success_stderr(rollouts, cfg.rollout.eval_k, cfg),
+        "eval/success_stderr": stderr(per_row),
         "eval/reward_mean": sum(r.reward for r in rollouts) / n,
         "eval/response_length": sum(len(r.response_ids) for r in rollouts) / n,
         "eval/truncated_frac": sum(r.truncated for r in rollouts) / n,
     }
+    if before is not None and len(before) == len(per_row):
+        metrics["eval/gain"], metrics["eval/gain_stderr"] = paired_gain(per_row, before)
+    return metrics, per_row
+
+
+def paired_gain(after: list[float], before: list[float]) -> tuple[float, float]:
+    """Mean gain of per-row success between two evaluations of the same rows, and its
+    standard error over the rows' differences (a row's difficulty is in both and cancels)."""
+    gains = [a - b for a, b in zip(after, before)]
+    return sum(gains) / max(len(gains), 1), stderr(gains)
 
 
 def teacher_context_ids(tokenizer, row: dict, kind: str, rng: random.Random, cfg: Config) -> list[int] | None:
@@ -521,14 +533,23 @@ def success_rate(rollouts, cfg: Config) -> float:
     return sum(r.reward >= cfg.sdpo.success_threshold for r in rollouts) / max(len(rollouts), 1)
 
 
+def row_success(rollouts, k: int, cfg: Config) -> list[float]:
+    """Success of each row's k consecutive samples."""
+    return [success_rate(rollouts[i:i + k], cfg) for i in range(0, len(rollouts), k)]
+
+
 def success_stderr(rollouts, k: int, cfg: Config) -> float:
     """Standard error of avg@k success over rows: the rows are the independent draws (a row's
     k samples are not), so it is the spread of per-row success over the square root of the rows."""
-    rows = [success_rate(rollouts[i:i + k], cfg) for i in range(0, len(rollouts), k)]
-    if len(rows) < 2:
+    return stderr(row_success(rollouts, k, cfg))
+
+
+def stderr(values: list[float]) -> float:
+    """Standard error of the mean of independent values (nan for fewer than two)."""
+    if len(values) < 2:
         return float("nan")
-    mean = sum(rows) / len(rows)
-    return math.sqrt(sum((s - mean) ** 2 for s in rows) / (len(rows) - 1) / len(rows))
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
 
 
 def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
@@ -962,9 +983,9 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             sync_engine(cfg, engine, trainer.models.policy, tokenizer, d, version=start_step)
         evaluate_now = lambda step: generates and cfg.train.eval_every and (
             step % cfg.train.eval_every == 0 or step == cfg.train.steps)
-        metrics = {}
+        metrics, first_eval = {}, None  # each held-out row's success at step 0: later gains are paired with it
         if evaluate_now(0) and start_step == 0:
-            metrics = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))
+            metrics, first_eval = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))
             logger.log(0, metrics)
 
         batches = Batches(cfg, objective, engine, tokenizer, train_rows, d, ahead)
@@ -983,7 +1004,8 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             metrics["throughput/tokens_per_s"] = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts) / metrics["time/step_s"]
             # 8. evaluate, log, checkpoint
             if evaluate_now(step + 1):
-                metrics.update(rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed)))
+                metrics.update(rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed,
+                                                              first_eval))[0])
             logger.log(step + 1, metrics)
             if generates:
                 logger.log_samples(step + 1, rollouts)
@@ -1029,7 +1051,7 @@ def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
 
 def evaluate_only(cfg: Config, model_dir: str, engine, tokenizer, eval_rows: list, logger, d: Dist) -> dict:
     """--eval_only: avg@k on the held-out rows (and, with --teacher_gap, what SDPO's teacher can do)."""
-    metrics = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))
+    metrics = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))[0]
     if cfg.teacher_gap:
         metrics.update(rank0_call(d, lambda: teacher_gap(engine, tokenizer, eval_rows, cfg, cfg.train.seed)))
         metrics.update(rank0_call(d, lambda: context_entropies(engine, tokenizer, eval_rows, cfg, cfg.train.seed,

@@ -414,6 +414,17 @@ def test_success_stderr_is_the_spread_of_per_row_success():
     assert run.success_stderr(rollouts[:2], 2, cfg) != run.success_stderr(rollouts[:2], 2, cfg)  # one row: nan
 
 
+def test_paired_gain_is_the_mean_row_difference_with_its_own_standard_error():
+    """Hand-worked: rows of very different difficulty, each a little better after; the
+    paired standard error is that of the differences, far below the two evaluations' own."""
+    import statistics
+    before, after = [0.0, 0.25, 0.75, 1.0, 0.5], [0.25, 0.25, 1.0, 1.0, 0.75]
+    gain, gain_stderr = run.paired_gain(after, before)
+    assert gain == pytest.approx(0.15)  # (0.25 + 0 + 0.25 + 0 + 0.25) / 5
+    assert gain_stderr == pytest.approx(statistics.stdev([0.25, 0, 0.25, 0, 0.25]) / 5 ** 0.5)
+    assert gain_stderr < 0.5 * run.stderr(before) and gain_stderr < 0.5 * run.stderr(after)
+
+
 # ----------------------------------------------------------------------------------------
 # real runs (a vLLM engine; tens of seconds each)
 
