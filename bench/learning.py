@@ -19,7 +19,8 @@ tables), runs/ (every run's metrics.jsonl), and prints per task
 with one final, spread and ratio per algorithm after the first of --algos (the baseline): the
 generations its mean curve needs to reach the baseline's mean final eval success (linear
 interpolation between eval points) over the baseline's total; "inf" if it never does. A
-spread is max - min of the final eval success over seeds. Every algorithm draws the same
+spread is max - min of the final eval success over seeds. The ratio is "nan" when the
+baseline's final is not above its start (there is nothing to match). Every algorithm draws the same
 generations per step (prompts per step x n); SPIN's reference responses are not generated
 and do not count.
 
@@ -32,6 +33,7 @@ SDPO's runs log them, GRPO's have no teacher).
 """
 import argparse
 import json
+import math
 import os
 import shlex
 import shutil
@@ -102,7 +104,9 @@ def compare(summary: dict) -> str:
         _, final, lo, hi = summary[algo][-1]
         fields += [f"{algo}_final={final:.3f}", f"{algo}_final_spread={hi - lo:.3f}"]
         if algo != base:
-            ratio = gens_to_reach([(g, m) for g, m, _, _ in summary[algo]], base_final) / base_gens
+            # A baseline that ended at or below its start sets no target: every curve "reaches" it at 0.
+            learned = base_final > summary[base][0][1]
+            ratio = gens_to_reach([(g, m) for g, m, _, _ in summary[algo]], base_final) / base_gens if learned else math.nan
             fields.append(f"{algo}_gens_to_match_{base}_final_ratio={ratio:.3f}")
     return " ".join(fields)
 
