@@ -183,11 +183,17 @@ class TrainConfig:
     prompts_per_step: int = 16
     mini_batches: int = 4  # optimizer steps per rollout batch (SPEC 8: 1 without feedback, 32 with rich feedback)
     micro_batch: int = 32  # sequences per forward/backward on each rank
+    # > 0: each rank's micro-batches are filled in order of length up to this many padded
+    # tokens (sequences x the longest), micro_batch sequences at most: less padding when
+    # lengths vary. The gradient is the same (the loss is normalised by the step's counts).
+    micro_batch_tokens: int = 0
     seed: int = 0
     warm_start_steps: int = 300  # built-in SFT of the tiny model on the task's references (cached)
     warm_start_batch: int = 32
     warm_start_lr: float = 2e-3
     warm_start_seed: int = 0  # one warm start serves every RL seed
+    # its micro_batch_tokens: teacher contexts beside plain prompts leave a batch ~40% padding
+    warm_start_micro_batch_tokens: int = 4096
     # Shares of warm-start examples whose prompt is a teacher context (sdpo.py's templates)
     # with the reference as the correct solution, or with a wrong attempt's feedback: they
     # teach the tiny model to use what SDPO's teacher is shown.
@@ -769,7 +775,9 @@ def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step
     units = micro_batch_units(rollouts, objective)
     random.Random(stream_seed("shuffle", cfg.train.seed, step)).shuffle(units)
     # Each optimizer step: its global counts and this rank's micro-batches (None: nothing to learn)
-    plan = [(counts, rank_micro_batches(mini_batch, cfg.train.micro_batch, d) if counts["tokens"] else None)
+    lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
+    plan = [(counts, rank_micro_batches(mini_batch, cfg.train.micro_batch, d, lengths, cfg.train.micro_batch_tokens)
+             if counts["tokens"] else None)
             for mini_batch in split_evenly(units, cfg.train.mini_batches)
             for counts in [step_counts([rollouts[i] for unit in mini_batch for i in unit], objective)]]
     old_logprobs = before_update_logprobs(cfg, models.policy, rollouts, units, pad_id, d)
@@ -843,14 +851,23 @@ def accumulate_gradients(cfg: Config, objective, models: Models, rollouts: list,
     return total, finite
 
 
-def rank_micro_batches(units: list, micro_batch: int, d: Dist) -> list[list[int]]:
+def rank_micro_batches(units: list, micro_batch: int, d: Dist, lengths: list | None = None,
+                       token_budget: int = 0) -> list[list[int]]:
     """This rank's micro-batches (lists of rollout indices) of one optimizer step, padded with
     empty ones to the busiest rank's count: every rank runs as many forward/backward passes
-    (FSDP2's collectives)."""
+    (FSDP2's collectives). With a token budget (lengths: each rollout's sequence length), a
+    rank's units are packed shortest first, up to token_budget padded tokens each."""
     # The order of micro-batches within an optimizer step does not change its gradient:
     # keeping each prompt's samples together lets them share their teacher prompt's forward.
     units = sorted(unit for unit in units if unit)  # an objective may leave a prompt with nothing to train
-    per_rank = [pack_units(rank_share(units, r, d.world), micro_batch) for r in range(d.world)]
+    longest = lambda unit: max(lengths[i] for i in unit)
+    per_rank = []
+    for r in range(d.world):
+        share = rank_share(units, r, d.world)  # by index, so that ranks get alike lengths
+        if token_budget:
+            share = sorted(share, key=longest)
+        per_rank.append(pack_units(share, micro_batch, [longest(u) for u in share] if token_budget else None,
+                                   token_budget))
     return per_rank[d.rank] + [[]] * (max(max(len(m) for m in per_rank), 1) - len(per_rank[d.rank]))
 
 
@@ -879,14 +896,16 @@ def micro_batch_units(rollouts: list, objective) -> list[list[int]]:
     return list(groups.values())
 
 
-def pack_units(units: list[list[int]], size: int) -> list[list[int]]:
-    """Consecutive units in micro-batches of at most `size` sequences (a larger unit alone)."""
-    out, current = [], []
-    for unit in units:
-        if current and len(current) + len(unit) > size:
+def pack_units(units: list[list[int]], size: int, lengths: list | None = None, token_budget: int = 0) -> list[list[int]]:
+    """Consecutive units in micro-batches of at most `size` sequences and, with lengths (each
+    unit's longest sequence), at most token_budget padded tokens (a larger unit alone)."""
+    out, current, width = [], [], 0
+    for k, unit in enumerate(units):
+        grown = max(width, lengths[k]) if lengths else 0
+        if current and (len(current) + len(unit) > size or (token_budget and (len(current) + len(unit)) * grown > token_budget)):
             out.append(current)
-            current = []
-        current = current + unit
+            current, grown = [], lengths[k] if lengths else 0
+        current, width = current + unit, grown
     return out + ([current] if current else [])
 
 
@@ -1467,7 +1486,8 @@ def resolve_model(cfg: Config, d: Dist) -> str:
     # batch; the cache key holds only what it reads, so runs that differ in RL-only flags (the
     # RL lr, seed, prompts per step, mini-batches, eval rows, ...) share one warm start.
     warm_train = dict(steps=cfg.train.warm_start_steps, prompts_per_step=cfg.train.warm_start_batch,
-                      micro_batch=cfg.train.micro_batch, seed=cfg.train.warm_start_seed, mini_batches=1,
+                      micro_batch=cfg.train.micro_batch, micro_batch_tokens=cfg.train.warm_start_micro_batch_tokens,
+                      seed=cfg.train.warm_start_seed, mini_batches=1,
                       eval_every=0, save_every=0, resume="",
                       **{f.name: getattr(cfg.train, f.name) for f in dataclasses.fields(TrainConfig)
                          if f.name.startswith("warm_start")})

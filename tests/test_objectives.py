@@ -69,6 +69,9 @@ def test_units_are_never_split_across_micro_batches():
     assert run.pack_units(units, 4) == [[0, 1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
     assert run.pack_units([[i] for i in range(5)], 2) == [[0, 1], [2, 3], [4]]
     assert run.pack_units([], 4) == []
+    # a token budget: sequences x the longest so far stays within it; a unit over it goes alone
+    assert run.pack_units([[0], [1], [2], [3, 4]], 8, lengths=[10, 20, 30, 40], token_budget=60) == [[0, 1], [2], [3, 4]]
+    assert run.pack_units([[0], [1], [2]], 2, lengths=[5, 5, 5], token_budget=100) == [[0, 1], [2]]
 
 
 def test_prompts_stay_together_when_the_objective_asks(tokenizer):

@@ -155,8 +155,9 @@ def _update(cfg, trainer, rollouts, pad_id, objective=None, step=0):
     return run.update_policy(cfg, objective or OBJECTIVES[cfg.algo.name], trainer, rollouts, step, pad_id, ONE_PROCESS)
 
 
-def _grads(tiny_dir, tokenizer, algo, micro_batch, mini_batches=1, teacher_kind="ema", **sdpo_flags):
+def _grads(tiny_dir, tokenizer, algo, micro_batch, mini_batches=1, teacher_kind="ema", token_budget=0, **sdpo_flags):
     cfg = run.parse_config([f"--algo={algo}", f"--train.micro_batch={micro_batch}",
+                            f"--train.micro_batch_tokens={token_budget}",
                             f"--train.mini_batches={mini_batches}", f"--sdpo.teacher={teacher_kind}",
                             "--sdpo.topk=8", "--sdpo.chunk_size=7"] + [f"--sdpo.{k}={v}" for k, v in sdpo_flags.items()])
     torch.manual_seed(0)
@@ -183,6 +184,22 @@ def test_micro_batch_size_does_not_change_gradients(tiny_dir, tokenizer, algo, f
     assert metrics_one.keys() == metrics_four.keys()
     for key in (k for k in metrics_one if not k.startswith("time/")):
         assert metrics_one[key] == pytest.approx(metrics_four[key], rel=1e-4, abs=1e-7), key
+
+
+@pytest.mark.parametrize("algo", ["sdpo", "grpo"])
+def test_a_token_budget_packs_by_length_without_changing_gradients(tiny_dir, tokenizer, algo):
+    """Micro-batches filled shortest first up to 250 padded tokens (3 of these ~75-token
+    sequences, so 4 micro-batches of 12 sequences, in another order) give one sequence at a time's gradient."""
+    lengths = [len(r.prompt_ids) + len(r.response_ids) for r in _rollouts(tokenizer, algo)]
+    micro = run.rank_micro_batches([[i] for i in range(len(lengths))], 12, run.Dist(0, 1, CPU), lengths, 250)
+    assert len(micro) == 4 and all(len(m) * max(lengths[i] for i in m) <= 250 for m in micro)
+    assert [lengths[i] for m in micro for i in m] == sorted(lengths)
+    one, metrics_one = _grads(tiny_dir, tokenizer, algo, 1)
+    packed, metrics_packed = _grads(tiny_dir, tokenizer, algo, 12, token_budget=250)
+    for name in one[0]:
+        torch.testing.assert_close(one[0][name], packed[0][name], rtol=1e-4, atol=1e-7, msg=name)
+    for key in (k for k in metrics_one if not k.startswith("time/")):
+        assert metrics_one[key] == pytest.approx(metrics_packed[key], rel=1e-4, abs=1e-7), key
 
 
 def test_shared_prefix_forward_matches_the_plain_forward(tiny_dir):
