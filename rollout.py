@@ -378,7 +378,7 @@ class Engine:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
+                llm.llm_engine.engine_core.shutdown(timeout=2)
             del llm
         reaper, self._reaper = getattr(self, "_reaper", None), None
         if reaper is not None:
@@ -388,7 +388,12 @@ class Engine:
 
 
 REAPER = """
-import signal, sys, psutil
+import signal, sys, time, psutil
+def _running(p):
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the trainer decides
 processes = []
 for pid in sys.argv[1:]:
@@ -402,7 +407,12 @@ for p in processes:
         p.terminate()
     except psutil.Error:
         pass
-for p in psutil.wait_procs(processes, timeout=20)[1]:
+deadline = time.monotonic() + 3  # an engine has nothing to save: a short grace, then SIGKILL
+while processes and time.monotonic() < deadline:
+    # a zombie has exited (its parent, the trainer, reaps it): waiting on its pid would last the whole grace
+    processes = [p for p in processes if _running(p)]
+    time.sleep(0.05)
+for p in processes:
     try:
         p.kill()
     except psutil.Error:

@@ -995,14 +995,14 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
         if cfg.ttt_prompts:
             return test_time_self_distillation(cfg, objective, model_dir, engine, tokenizer, eval_rows, logger, d)
         trainer = build_trainer(cfg, objective, model_dir, d)
-        start_step, ahead = load_checkpoint(resume, trainer, cfg, d) if resume else (0, None)
+        start_step, ahead, first_eval = load_checkpoint(resume, trainer, cfg, d) if resume else (0, None, None)
         if resume:
             logger.truncate(start_step)  # a killed run logged steps past its checkpoint
         if generates and start_step > 0:
             sync_engine(cfg, engine, trainer.models.policy, tokenizer, d, version=start_step)
         evaluate_now = lambda step: generates and cfg.train.eval_every and (
             step % cfg.train.eval_every == 0 or step == cfg.train.steps)
-        metrics, first_eval = {}, None  # each held-out row's success at step 0: later gains are paired with it
+        metrics = {}  # first_eval: each held-out row's success at step 0; later gains are paired with it
         if evaluate_now(0) and start_step == 0:
             metrics, first_eval = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))
             logger.log(0, metrics)
@@ -1031,7 +1031,7 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             progress.update(metrics)
             if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
                 save_checkpoint(os.path.join(cfg.log.out_dir, f"checkpoint-{step + 1}"), trainer, step + 1,
-                                batches.next_batch(), d)
+                                batches.next_batch(), d, first_eval)
         progress.close()
         save_hf(os.path.join(cfg.log.out_dir, "final"), trainer.models.policy, tokenizer, d)
         return metrics
@@ -1213,14 +1213,16 @@ def engine_dtype(cfg: Config, device) -> str:
 # Checkpoints and logging
 
 
+FIRST_EVAL = "first_eval.json"  # in a checkpoint: the held-out rows' success at step 0
 NEXT_BATCH = "next_batch.pt"  # in a checkpoint of a run generating ahead: the batch of its next step
 
 
-def save_checkpoint(path: str, trainer: Trainer, step: int, next_batch, d: Dist):
+def save_checkpoint(path: str, trainer: Trainer, step: int, next_batch, d: Dist, first_eval: list | None = None):
     """Policy, optimizer, the optional models and the RNG state (torch.distributed.checkpoint:
     every rank writes its shards) and, generating ahead, the next step's batch (rank 0's
     next_batch: its rollouts were generated with the weights before this step's update, which
-    a resumed run no longer has). Written as path.partial and renamed when complete, so that
+    a resumed run no longer has), and the held-out rows' success at step 0 (first_eval: later
+    evaluations pair their gain with it). Written as path.partial and renamed when complete, so that
     a run killed during a save leaves no checkpoint under a name that `--train.resume` takes."""
     import torch.distributed.checkpoint as dcp
     partial = path + ".partial"
@@ -1229,6 +1231,9 @@ def save_checkpoint(path: str, trainer: Trainer, step: int, next_batch, d: Dist)
     barrier(d)
     dcp.save(checkpoint_state(trainer, step), checkpoint_id=partial)  # fsyncs its files
     if d.rank == 0:
+        if first_eval is not None:
+            with open(os.path.join(partial, FIRST_EVAL), "w") as f:
+                json.dump(first_eval, f)
         if next_batch is not None:
             with open(os.path.join(partial, NEXT_BATCH), "wb") as f:
                 torch.save(next_batch, f)
@@ -1239,8 +1244,9 @@ def save_checkpoint(path: str, trainer: Trainer, step: int, next_batch, d: Dist)
 
 
 def load_checkpoint(path: str, trainer: Trainer, cfg: Config, d: Dist):
-    """Restore what save_checkpoint wrote into trainer. Returns the step to continue from and,
-    when generating ahead and the checkpoint holds it, the next batch for Batches (else None)."""
+    """Restore what save_checkpoint wrote into trainer. Returns the step to continue from,
+    when generating ahead and the checkpoint holds it, the next batch for Batches (else None),
+    and the held-out rows' success at step 0 (None if the checkpoint has none)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
     state = checkpoint_state(trainer, 0)
@@ -1252,11 +1258,15 @@ def load_checkpoint(path: str, trainer: Trainer, cfg: Config, d: Dist):
             getattr(trainer.models, name).load_state_dict(state[name])
     torch.set_rng_state(state["meta"]["torch_rng"])
     random.setstate(state["meta"]["python_rng"])
+    first_eval = None
+    if os.path.exists(os.path.join(path, FIRST_EVAL)):
+        with open(os.path.join(path, FIRST_EVAL)) as f:
+            first_eval = json.load(f)
     file = os.path.join(path, NEXT_BATCH)
     if not (cfg.train.off_policy_steps and rank0_call(d, lambda: os.path.exists(file))):
-        return int(state["meta"]["step"]), None
+        return int(state["meta"]["step"]), None, first_eval
     batch = torch.load(file, weights_only=False) if d.rank == 0 else None
-    return int(state["meta"]["step"]), lambda: batch
+    return int(state["meta"]["step"]), lambda: batch, first_eval
 
 
 def checkpoint_path(resume: str) -> str:

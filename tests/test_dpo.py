@@ -272,7 +272,7 @@ def test_checkpoint_restores_the_reference(tiny_dir, tmp_path):
 
     saved, restored = trainer(1), trainer(10)
     run.save_checkpoint(str(tmp_path / "ckpt"), saved, 4, None, ONE_PROCESS)
-    assert run.load_checkpoint(str(tmp_path / "ckpt"), restored, run.parse_config([]), ONE_PROCESS) == (4, None)
+    assert run.load_checkpoint(str(tmp_path / "ckpt"), restored, run.parse_config([]), ONE_PROCESS) == (4, None, None)
     for a, b in zip(saved.models.reference.model.parameters(), restored.models.reference.model.parameters()):
         assert torch.equal(a, b)
 

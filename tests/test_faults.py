@@ -56,7 +56,7 @@ def test_resume_takes_the_latest_complete_checkpoint_of_an_out_dir(tiny_dir, tmp
     _step(trainer)
     batch = ([objectives.Rollout(row={"uid": "a"}, prompt_ids=[1], response_ids=[2], rollout_logprobs=[-0.5],
                                  text="x", truncated=False, policy_version=1)], {"reward/mean": 0.25})
-    run.save_checkpoint(str(tmp_path / "checkpoint-2"), trainer, 2, batch, ONE_PROCESS)
+    run.save_checkpoint(str(tmp_path / "checkpoint-2"), trainer, 2, batch, ONE_PROCESS, first_eval=[0.25, 1.0, 0.0])
     # a run killed while saving step 3 leaves only a partial directory behind
     (tmp_path / "checkpoint-3.partial").mkdir()
     (tmp_path / "checkpoint-3.partial" / "__0_0.distcp").write_bytes(b"half a file")
@@ -64,12 +64,12 @@ def test_resume_takes_the_latest_complete_checkpoint_of_an_out_dir(tiny_dir, tmp
     assert run.checkpoint_path(str(tmp_path / "checkpoint-1")) == str(tmp_path / "checkpoint-1")
 
     fresh = _trainer(tiny_dir)
-    step, ahead = run.load_checkpoint(str(tmp_path / "checkpoint-1"), fresh, cfg, ONE_PROCESS)
-    assert step == 1 and ahead is None  # that checkpoint holds no batch generated ahead
+    step, ahead, first_eval = run.load_checkpoint(str(tmp_path / "checkpoint-1"), fresh, cfg, ONE_PROCESS)
+    assert step == 1 and ahead is None and first_eval is None  # that checkpoint holds no batch generated ahead
     assert all(torch.equal(a, b) for a, b in zip(_weights(fresh), after_one))
-    step, ahead = run.load_checkpoint(str(tmp_path / "checkpoint-2"), fresh, cfg, ONE_PROCESS)
+    step, ahead, first_eval = run.load_checkpoint(str(tmp_path / "checkpoint-2"), fresh, cfg, ONE_PROCESS)
     rollouts, metrics = ahead()
-    assert step == 2 and metrics == {"reward/mean": 0.25}
+    assert step == 2 and metrics == {"reward/mean": 0.25} and first_eval == [0.25, 1.0, 0.0]
     assert rollouts[0].policy_version == 1 and rollouts[0].rollout_logprobs == [-0.5]
     assert all(torch.equal(a, b) for a, b in zip(_weights(fresh), _weights(trainer)))
     # the state of the optimizer came back too: the next steps agree

@@ -223,7 +223,7 @@ def test_checkpoint_restores_both_networks_and_both_optimizers(tiny_dir, tokeniz
     run.save_checkpoint(str(tmp_path / "ckpt"), saved, 1, None, ONE_PROCESS)
     restored = _trainer(tiny_dir, cfg, seed=9)
     restored.models.discriminator = Critic(discriminator.load(tiny_dir, 5, 1, torch.device("cpu")), 1e-3, 0.0, 1e9)
-    assert run.load_checkpoint(str(tmp_path / "ckpt"), restored, cfg, ONE_PROCESS) == (1, None)
+    assert run.load_checkpoint(str(tmp_path / "ckpt"), restored, cfg, ONE_PROCESS) == (1, None, None)
     a, b = saved.models, restored.models
     for x, y in [(a.policy, b.policy), (a.discriminator.model, b.discriminator.model)]:
         for p, q in zip(x.parameters(), y.parameters()):
