@@ -160,10 +160,13 @@ def pack(model, seqs: list, response_lens: list, pad_id: int, device, images: li
     return data.pack(list(seqs), response_lens, pad_id, device, images=images, image_masks=list(masks))
 
 
-def response_logprobs(model, rollouts: list, pad_id: int, d: Dist, micro_batch: int, temperature: float) -> list:
+def response_logprobs(model, rollouts: list, pad_id: int, d: Dist, micro_batch: int, temperature: float,
+                      shared_prefix: bool = False) -> list:
     """Log-probs of every rollout's response tokens under model, without gradient (old
     log-probs, reference log-probs): each rank scores a share, then all ranks exchange them.
-    Returns one list of per-token floats per rollout, on every rank."""
+    shared_prefix: a prompt that several of a micro-batch's rollouts share runs once
+    (data.pack_shared_prefix; a group's samples are neighbours). Returns one list of
+    per-token floats per rollout, on every rank."""
     mine = list(range(len(rollouts)))[d.rank::d.world]
     # Under FSDP2 every forward is a collective: a rank with a smaller share runs idle ones.
     calls = math.ceil(math.ceil(len(rollouts) / d.world) / micro_batch)
@@ -176,7 +179,7 @@ def response_logprobs(model, rollouts: list, pad_id: int, d: Dist, micro_batch: 
                 continue
             packed = pack(model, [rollouts[j].prompt_ids + rollouts[j].response_ids for j in part],
                           [len(rollouts[j].response_ids) for j in part], pad_id, d.device,
-                          images=[rollouts[j].row.get("images") for j in part])
+                          images=[rollouts[j].row.get("images") for j in part], shared_prefix=shared_prefix)
             logprobs = forward(model, packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(
                 h, w, packed.targets, temperature)[0])
             start = 0
@@ -189,6 +192,13 @@ def response_logprobs(model, rollouts: list, pad_id: int, d: Dist, micro_batch: 
         for g in gathered:
             local.update(g)
     return [local[i] for i in range(len(rollouts))]
+
+
+def share_prompts(cfg) -> bool:
+    """Whether no-gradient forwards of the policy or reference (old and reference log-probs)
+    run a prompt shared by several rollouts once (--train.share_prompt_prefix); HF drops
+    the KV cache under gradient checkpointing."""
+    return cfg.train.share_prompt_prefix and not cfg.model.gradient_checkpointing
 
 
 def forward(model, packed: data.Packed, head):
@@ -574,7 +584,7 @@ def reference_logprobs(rollouts: list, models: Models, cfg, pad_id: int, d: Dist
     t0 = time.perf_counter()
     paired = [r for r in rollouts if r.paired]
     token_logprobs = response_logprobs(models.reference.model, paired, pad_id, d, cfg.train.micro_batch,
-                                       cfg.rollout.temperature)
+                                       cfg.rollout.temperature, share_prompts(cfg))
     for r, logprobs in zip(paired, token_logprobs):
         value = math.fsum(logprobs)
         r.reference_logprob = value / max(len(logprobs), 1) if cfg.dpo.loss_type == "ipo" else value
@@ -687,7 +697,7 @@ def gad_rewards(rollouts: list, models: Models, cfg, pad_id: int, d: Dist) -> di
     if stage == "gad" and models.reference is not None:
         t0 = time.perf_counter()
         reference = response_logprobs(models.reference.model, samples, pad_id, d, cfg.train.micro_batch,
-                                      cfg.rollout.temperature)
+                                      cfg.rollout.temperature, share_prompts(cfg))
         reshard(models.reference.model)  # a no-grad forward leaves FSDP2's root unsharded
         metrics["time/reference_s"] = time.perf_counter() - t0
         sequence_kl = []

@@ -187,6 +187,7 @@ class TrainConfig:
     # tokens (sequences x the longest), micro_batch sequences at most: less padding when
     # lengths vary. The gradient is the same (the loss is normalised by the step's counts).
     micro_batch_tokens: int = 0
+    share_prompt_prefix: bool = True  # old/reference log-probs: a group's prompt runs once (KV cache reuse)
     seed: int = 0
     warm_start_steps: int = 300  # built-in SFT of the tiny model on the task's references (cached)
     warm_start_batch: int = 32
@@ -822,7 +823,7 @@ def before_update_logprobs(cfg: Config, policy, rollouts: list, units: list, pad
         return None
     trained = sorted(i for unit in units for i in unit)
     logprobs = objectives.response_logprobs(policy, [rollouts[i] for i in trained], pad_id, d, cfg.train.micro_batch,
-                                            cfg.rollout.temperature)
+                                            cfg.rollout.temperature, objectives.share_prompts(cfg))
     out = [None] * len(rollouts)
     for i, values in zip(trained, logprobs):
         out[i] = values

@@ -223,6 +223,17 @@ def test_shared_prefix_forward_matches_the_plain_forward(tiny_dir):
     torch.testing.assert_close(shared, one_by_one, rtol=1e-4, atol=1e-5)
 
 
+def test_old_logprobs_with_shared_prompts_match_the_plain_forward(tiny_dir, tokenizer):
+    """A group's prompt run once for its samples (--train.share_prompt_prefix) gives the same
+    per-token log-probs as each sequence alone, in micro-batches that split a group."""
+    policy = _policy(tiny_dir, seed=1)
+    rollouts = _rollouts(tokenizer, "grpo")
+    shared, plain = (objectives.response_logprobs(policy, rollouts, tokenizer.pad_token_id, run.Dist(0, 1, CPU), 5,
+                                                  0.7, shared_prefix=share) for share in (True, False))
+    assert [len(s) for s in shared] == [len(r.response_ids) for r in rollouts]
+    torch.testing.assert_close(torch.tensor(sum(shared, [])), torch.tensor(sum(plain, [])), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("teacher_kind", ["ema", "trust-region"])
 def test_shared_teacher_prefix_gives_the_same_gradients(tiny_dir, tokenizer, teacher_kind):
     shared, metrics_shared = _grads(tiny_dir, tokenizer, "sdpo", 4, teacher_kind=teacher_kind)
