@@ -903,7 +903,8 @@ def pack_units(units: list[list[int]], size: int, lengths: list | None = None, t
     out, current, width = [], [], 0
     for k, unit in enumerate(units):
         grown = max(width, lengths[k]) if lengths else 0
-        if current and (len(current) + len(unit) > size or (token_budget and (len(current) + len(unit)) * grown > token_budget)):
+        rows = len(current) + len(unit)
+        if current and (rows > size or (token_budget and rows * grown > token_budget)):
             out.append(current)
             current, grown = [], lengths[k] if lengths else 0
         current, width = current + unit, grown
