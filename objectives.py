@@ -175,7 +175,9 @@ def response_logprobs(model, rollouts: list, pad_id: int, d: Dist, micro_batch: 
         for i in range(0, calls * micro_batch, micro_batch):
             part = mine[i:i + micro_batch]
             if not part:
-                forward(model, pack(model, [[pad_id, pad_id]], [1], pad_id, d.device), lambda h, w: h.sum())
+                # the same model calls as a real micro-batch (a shared prefix is a call of its own)
+                forward(model, pack(model, [[pad_id, pad_id]], [1], pad_id, d.device, shared_prefix=shared_prefix),
+                        lambda h, w: h.sum())
                 continue
             packed = pack(model, [rollouts[j].prompt_ids + rollouts[j].response_ids for j in part],
                           [len(rollouts[j].response_ids) for j in part], pad_id, d.device,
