@@ -1592,6 +1592,33 @@ def parse_config(argv=None) -> Config:
     return tyro.cli(Config, args=argv, config=(tyro.conf.FlagConversionOff,))
 
 
+@contextlib.contextmanager
+def ctrl_c_wins():
+    """Ctrl-C reaches the engine's processes too (one process group), and the engine may die
+    of it before the trainer's KeyboardInterrupt surfaces: its EngineDeadError would then
+    be what the run stops with. After a SIGINT, whatever the run raises is reported as the
+    KeyboardInterrupt it is."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():  # signal handlers: main thread only
+        yield
+        return
+    interrupted = []
+
+    def on_sigint(signum, frame):
+        interrupted.append(signum)
+        signal.default_int_handler(signum, frame)
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    except Exception as error:
+        if interrupted:
+            raise KeyboardInterrupt("Ctrl-C (the engine stopped with it)") from error
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def main(argv=None):
     cfg = parse_config(argv)
     d = setup_distributed()
@@ -1599,7 +1626,8 @@ def main(argv=None):
     t0 = time.perf_counter()
     model_dir = resolve_model(cfg, d)
     cfg = with_teacher_data(cfg, d)
-    metrics = train(cfg, model_dir, d)
+    with ctrl_c_wins():
+        metrics = train(cfg, model_dir, d)
     if d.rank == 0:
         shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("eval/", "reward/"))}
         print(f"done in {time.perf_counter() - t0:.0f}s: {shown} -> {cfg.log.out_dir}")

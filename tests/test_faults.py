@@ -324,3 +324,20 @@ def test_ctrl_c_stops_the_run_and_its_engine(tmp_path):
         time.sleep(0.5)
     assert not _session_processes(proc)
     assert os.path.exists(os.path.join(run.checkpoint_path(out), ".metadata"))
+
+
+def test_after_ctrl_c_the_run_stops_with_keyboard_interrupt_whatever_else_failed():
+    """The engine dies of the same Ctrl-C, and its error may reach the loop first (here: the
+    interrupt is swallowed where it landed, then the engine's error is raised)."""
+    with pytest.raises(KeyboardInterrupt) as caught:
+        with run.ctrl_c_wins():
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)
+            except KeyboardInterrupt:
+                pass
+            raise RuntimeError("EngineCore encountered an issue")
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    with pytest.raises(RuntimeError):  # without a Ctrl-C an error stays what it is
+        with run.ctrl_c_wins():
+            raise RuntimeError("a real failure")
