@@ -864,11 +864,11 @@ def rank_micro_batches(units: list, micro_batch: int, d: Dist, lengths: list | N
     longest = lambda unit: max(lengths[i] for i in unit)
     per_rank = []
     for r in range(d.world):
-        share = rank_share(units, r, d.world)  # by index, so that ranks get alike lengths
+        share, widths = rank_share(units, r, d.world), None  # by index, so that ranks get alike lengths
         if token_budget:
             share = sorted(share, key=longest)
-        per_rank.append(pack_units(share, micro_batch, [longest(u) for u in share] if token_budget else None,
-                                   token_budget))
+            widths = [longest(u) for u in share]
+        per_rank.append(pack_units(share, micro_batch, widths, token_budget))
     return per_rank[d.rank] + [[]] * (max(max(len(m) for m in per_rank), 1) - len(per_rank[d.rank]))
 
 
