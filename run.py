@@ -189,7 +189,8 @@ class TrainConfig:
     micro_batch_tokens: int = 0
     share_prompt_prefix: bool = True  # old/reference log-probs: a group's prompt runs once (KV cache reuse)
     seed: int = 0
-    warm_start_steps: int = 300  # built-in SFT of the tiny model on the task's references (cached)
+    # Unset (None): the task's recipe, WARM_START_RECIPES (strops 300 steps, 0.7, 0.1; quiz 1000, 0.3, 0.5)
+    warm_start_steps: int | None = None  # built-in SFT of the tiny model on the task's references (cached)
     warm_start_batch: int = 32
     warm_start_lr: float = 2e-3
     warm_start_seed: int = 0  # one warm start serves every RL seed
@@ -198,8 +199,8 @@ class TrainConfig:
     # Shares of warm-start examples whose prompt is a teacher context (sdpo.py's templates)
     # with the reference as the correct solution, or with a wrong attempt's feedback: they
     # teach the tiny model to use what SDPO's teacher is shown.
-    warm_start_demo_frac: float = 0.7
-    warm_start_feedback_frac: float = 0.1
+    warm_start_demo_frac: float | None = None
+    warm_start_feedback_frac: float | None = None
     eval_every: int = 20  # and at the start and the end; 0: never
     # 1: the engine generates the next batch, with the weights before this update, while the
     # trainer learns from this one (one step stale; the engine correction covers it: README)
@@ -559,6 +560,22 @@ def stderr(values: list[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
 
 
+# The tiny model's warm start per task: (SFT steps, demonstration share, feedback share).
+# strops: induction-style copying of a shown solution forms after ~100-150 mostly-demonstration
+# steps. quiz: a model that can compute most lines never needs to copy the ones the feedback
+# marks right, so the copying forms only with half the examples feedback contexts and lines it
+# cannot all compute (--data.quiz_max 20), in ~1000 steps (README: Does it work?).
+WARM_START_RECIPES = {"quiz": (1000, 0.3, 0.5)}
+DEFAULT_WARM_START = (300, 0.7, 0.1)
+
+
+def warm_start_recipe(cfg: Config) -> tuple[int, float, float]:
+    """(steps, demo_frac, feedback_frac) of --train.warm_start_*, the task's recipe where unset."""
+    given = (cfg.train.warm_start_steps, cfg.train.warm_start_demo_frac, cfg.train.warm_start_feedback_frac)
+    recipe = WARM_START_RECIPES.get(cfg.data.task, DEFAULT_WARM_START)
+    return tuple(r if g is None else g for g, r in zip(given, recipe))
+
+
 def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
     """Reference responses as rollouts, for --algo sft and the tiny model's warm start.
 
@@ -566,13 +583,14 @@ def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
     reference shown as the correct solution, or the feedback on a wrong attempt.
     """
     rng = random.Random(stream_seed("references", cfg.train.seed, step))
+    _, demo_frac, feedback_frac = warm_start_recipe(cfg)
     out = []
     for row in rows:
         response = data.reference_response_ids(tokenizer, row, tokenizer.eos_token_id, "--algo sft")
         draw, prompt = rng.random(), None
-        if draw < cfg.train.warm_start_demo_frac:
+        if draw < demo_frac:
             prompt = teacher_context_ids(tokenizer, row, "demonstration", rng, cfg)
-        elif draw < cfg.train.warm_start_demo_frac + cfg.train.warm_start_feedback_frac:
+        elif draw < demo_frac + feedback_frac:
             prompt = teacher_context_ids(tokenizer, row, "feedback", rng, cfg)
         if prompt is None:
             prompt = data.chat_prompt_ids(tokenizer, row["messages"], cfg.data.max_prompt_len)
@@ -1492,17 +1510,20 @@ def resolve_model(cfg: Config, d: Dist) -> str:
         tiny = rank0_call(d, lambda: data.tiny_vlm_dir(data.TinyVLMConfig(**dataclasses.asdict(cfg.model.tiny))))
     else:
         tiny = rank0_call(d, lambda: data.tiny_model_dir(cfg.model.tiny))
-    if not cfg.train.warm_start_steps or objectives.OBJECTIVES[cfg.algo.name].references:
+    steps, demo_frac, feedback_frac = warm_start_recipe(cfg)
+    if not steps or objectives.OBJECTIVES[cfg.algo.name].references:
         return tiny
     # The warm start is `--algo sft` with the train.warm_start_* values, one optimizer step per
     # batch; the cache key holds only what it reads, so runs that differ in RL-only flags (the
     # RL lr, seed, prompts per step, mini-batches, eval rows, ...) share one warm start.
-    warm_train = dict(steps=cfg.train.warm_start_steps, prompts_per_step=cfg.train.warm_start_batch,
+    warm_train = dict(steps=steps, prompts_per_step=cfg.train.warm_start_batch,
                       micro_batch=cfg.train.micro_batch, micro_batch_tokens=cfg.train.warm_start_micro_batch_tokens,
                       seed=cfg.train.warm_start_seed, mini_batches=1,
                       eval_every=0, save_every=0, resume="",
                       **{f.name: getattr(cfg.train, f.name) for f in dataclasses.fields(TrainConfig)
                          if f.name.startswith("warm_start")})
+    # the resolved values: the cache key of an unset flag is its task's recipe
+    warm_train.update(warm_start_steps=steps, warm_start_demo_frac=demo_frac, warm_start_feedback_frac=feedback_frac)
     warm = dataclasses.replace(
         cfg, algo=AlgoConfig(name="sft"), rollout=RolloutConfig(),
         # decayed to 0: the warm start's last weights are all that is kept
@@ -1517,7 +1538,7 @@ def resolve_model(cfg: Config, d: Dist) -> str:
     path = tiny + "-sft-" + hashlib.sha1(recipe.encode()).hexdigest()[:10]
     if not os.path.exists(os.path.join(path, "final", "config.json")):
         if d.rank == 0:
-            print(f"warm start: {cfg.train.warm_start_steps} SFT steps on the task's references -> {path}")
+            print(f"warm start: {steps} SFT steps on the task's references -> {path}")
         train(dataclasses.replace(warm, log=dataclasses.replace(warm.log, out_dir=path)), tiny, d)
     return os.path.join(path, "final")
 

@@ -678,6 +678,33 @@ def test_warm_start_is_plain_sft_and_shared_across_rl_flags(tiny_dir, monkeypatc
     assert len(calls) == 2  # a flag the warm start reads makes a new one
 
 
+def test_warm_start_recipe_is_the_tasks_where_a_flag_is_unset(monkeypatch, tmp_path):
+    """Each task has its warm-start recipe; a flag overrides its one value, and the cache key
+    of an unset flag is that of the flag set to the recipe's value."""
+    calls = []
+
+    def fake_train(cfg, model_dir, d):
+        calls.append(cfg)
+        os.makedirs(os.path.join(cfg.log.out_dir, "final"))
+        open(os.path.join(cfg.log.out_dir, "final", "config.json"), "w").close()
+
+    monkeypatch.setattr(run, "train", fake_train)
+    monkeypatch.setattr(data, "tiny_model_dir", lambda cfg=None: str(tmp_path / "tiny"))
+    recipe = lambda flags: run.warm_start_recipe(run.parse_config(flags))
+    assert recipe([]) == (300, 0.7, 0.1) and recipe(["--data.task=arith"]) == (300, 0.7, 0.1)
+    assert recipe(["--data.task=quiz"]) == (1000, 0.3, 0.5)
+    assert recipe(["--data.task=quiz", "--train.warm_start_demo_frac=0.0"]) == (1000, 0.0, 0.5)
+    quiz = run.resolve_model(run.parse_config(["--data.task=quiz"]), ONE_PROCESS)
+    warm = calls[0]
+    assert (warm.train.steps, warm.train.warm_start_demo_frac, warm.train.warm_start_feedback_frac) == (1000, 0.3, 0.5)
+    explicit = ["--data.task=quiz", "--train.warm_start_steps=1000", "--train.warm_start_demo_frac=0.3",
+                "--train.warm_start_feedback_frac=0.5"]
+    assert run.resolve_model(run.parse_config(explicit), ONE_PROCESS) == quiz and len(calls) == 1
+    strops = run.resolve_model(run.parse_config(["--train.warm_start_steps=300"]), ONE_PROCESS)
+    assert strops != quiz and calls[1].train.steps == 300 and len(calls) == 2
+    assert run.resolve_model(run.parse_config(["--train.warm_start_steps=0"]), ONE_PROCESS) == str(tmp_path / "tiny")
+
+
 def test_reward_kwargs_reach_the_reward_function(tmp_path):
     (tmp_path / "limits.py").write_text("def reward(response, row, truncated, budget=1):\n    return float(budget)\n")
     cfg = run.parse_config([f"--data.reward={tmp_path / 'limits.py'}:reward", '--data.reward_kwargs={"budget": 7}'])
