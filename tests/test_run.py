@@ -654,9 +654,10 @@ def test_warm_start_weights_do_not_depend_on_the_thread_count(tmp_path):
     assert not all(torch.equal(one[k], initial[k]) for k in one)  # the warm start trained something
 
 
-def test_warm_start_is_plain_sft_and_shared_across_rl_flags(tiny_dir, monkeypatch, tmp_path):
-    """The warm start ignores RL-only flags and the eval/TTT modes (a mode inherited by
-    the warm start would evaluate instead of training it), and its cache key agrees."""
+@pytest.fixture
+def warm_start_calls(monkeypatch, tmp_path):
+    """The configs of the warm starts resolve_model trains (training faked: each writes an
+    empty final/config.json under a tiny model dir in tmp_path)."""
     calls = []
 
     def fake_train(cfg, model_dir, d):
@@ -666,6 +667,13 @@ def test_warm_start_is_plain_sft_and_shared_across_rl_flags(tiny_dir, monkeypatc
 
     monkeypatch.setattr(run, "train", fake_train)
     monkeypatch.setattr(data, "tiny_model_dir", lambda cfg=None: str(tmp_path / "tiny"))
+    return calls
+
+
+def test_warm_start_is_plain_sft_and_shared_across_rl_flags(warm_start_calls):
+    """The warm start ignores RL-only flags and the eval/TTT modes (a mode inherited by
+    the warm start would evaluate instead of training it), and its cache key agrees."""
+    calls = warm_start_calls
     first = run.resolve_model(run.parse_config(["--eval_only=True", "--ttt_prompts=4", "--optim.lr=0.5",
                                                 "--train.seed=7", "--train.mini_batches=8", "--data.eval_rows=9"]),
                               ONE_PROCESS)
@@ -678,18 +686,10 @@ def test_warm_start_is_plain_sft_and_shared_across_rl_flags(tiny_dir, monkeypatc
     assert len(calls) == 2  # a flag the warm start reads makes a new one
 
 
-def test_warm_start_recipe_is_the_tasks_where_a_flag_is_unset(monkeypatch, tmp_path):
+def test_warm_start_recipe_is_the_tasks_where_a_flag_is_unset(warm_start_calls, tmp_path):
     """Each task has its warm-start recipe; a flag overrides its one value, and the cache key
     of an unset flag is that of the flag set to the recipe's value."""
-    calls = []
-
-    def fake_train(cfg, model_dir, d):
-        calls.append(cfg)
-        os.makedirs(os.path.join(cfg.log.out_dir, "final"))
-        open(os.path.join(cfg.log.out_dir, "final", "config.json"), "w").close()
-
-    monkeypatch.setattr(run, "train", fake_train)
-    monkeypatch.setattr(data, "tiny_model_dir", lambda cfg=None: str(tmp_path / "tiny"))
+    calls = warm_start_calls
     recipe = lambda flags: run.warm_start_recipe(run.parse_config(flags))
     assert recipe([]) == (300, 0.7, 0.1) and recipe(["--data.task=arith"]) == (300, 0.7, 0.1)
     assert recipe(["--data.task=quiz"]) == (1000, 0.3, 0.5)
