@@ -30,7 +30,7 @@ def main():
     parser.add_argument("--launcher", default=sys.executable, help="e.g. 'torchrun --nproc_per_node=4'")
     args, extra = parser.parse_known_args()
     flags = PAPER_TTT + [f"--ttt_prompts={args.prompts}", f"--train.steps={args.steps}", f"--rollout.n={args.n}",
-                         "--rollout.eval_k=16"] + extra  # later flags win
+                         "--rollout.eval_k=16", "--data.eval_rows=256"] + extra  # later flags win
     summary = run_one(shlex.split(args.launcher), flags, args.out)[-1]
     ks = sorted(int(key.split("@")[1]) for key in summary if key.startswith("ttt/discovery@"))
     print(f"{summary['ttt/prompts']} prompts the starting model fails; discovery@k:")

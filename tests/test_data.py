@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import data
 import feedback
+import run
 from data import DataError, TaskConfig, TinyModelConfig
 
 FAST = settings(max_examples=60, deadline=None)
@@ -230,7 +231,19 @@ def test_task_rows_errors():
     with pytest.raises(ValueError, match="fewer than"):  # at most 100 one-digit additions exist
         data.task_rows("arith", "train", 150, cfg=TaskConfig(arith_digits=1, arith_ops="+"))
     with pytest.raises(ValueError, match="fewer than"):  # nothing is held out
-        data.task_rows("arith", "test", 1, cfg=TaskConfig(heldout_percent=0))
+        data.task_rows("arith", "test", 1, cfg=TaskConfig(heldout_percent=0), at_most=True)
+
+
+def test_held_out_rows_are_all_there_are_where_the_split_has_fewer():
+    """--data.eval_rows is an upper bound for a synthetic task's held-out split (run.py's default
+    asks for more than one-digit sums have), and the rows are the first of the full draw."""
+    small = TaskConfig(arith_digits=1, arith_ops="+")
+    every = data.task_rows("arith", "test", 1000, cfg=small, at_most=True)
+    assert 0 < len(every) < 100 and len(set(_uids(every))) == len(every)
+    assert all(data.split_of(uid, small.heldout_percent) == "test" for uid in _uids(every))
+    assert _uids(data.task_rows("arith", "test", 3, cfg=small)) == _uids(every)[:3]
+    cfg = run.parse_config(["--data.task=arith", "--data.arith_digits=1", "--data.arith_ops=+", "--data.train_rows=50"])
+    assert _uids(run.read_rows(cfg)[1]) == _uids(every)
 
 
 ARITH = re.compile(r"^What is (\d+) ([-+*]) (\d+)\? ")

@@ -680,7 +680,7 @@ def test_warm_start_is_plain_sft_and_shared_across_rl_flags(warm_start_calls):
     warm = calls[0]
     assert (warm.algo.name, warm.eval_only, warm.ttt_prompts) == ("sft", False, 0)
     assert (warm.optim.lr, warm.train.seed, warm.train.mini_batches) == (2e-3, 0, 1)
-    assert warm.train.steps == 300 and warm.train.prompts_per_step == 32
+    assert warm.train.steps == 200 and warm.train.prompts_per_step == 32
     assert run.resolve_model(run.parse_config([]), ONE_PROCESS) == first and len(calls) == 1  # cached
     run.resolve_model(run.parse_config(["--train.warm_start_lr=1e-3"]), ONE_PROCESS)
     assert len(calls) == 2  # a flag the warm start reads makes a new one
@@ -691,7 +691,7 @@ def test_warm_start_recipe_is_the_tasks_where_a_flag_is_unset(warm_start_calls, 
     of an unset flag is that of the flag set to the recipe's value."""
     calls = warm_start_calls
     recipe = lambda flags: run.warm_start_recipe(run.parse_config(flags))
-    assert recipe([]) == (300, 0.7, 0.1) and recipe(["--data.task=arith"]) == (300, 0.7, 0.1)
+    assert recipe([]) == (200, 0.7, 0.1) and recipe(["--data.task=arith"]) == (300, 0.7, 0.1)
     assert recipe(["--data.task=quiz"]) == (1000, 0.3, 0.5)
     assert recipe(["--data.task=quiz", "--train.warm_start_demo_frac=0.0"]) == (1000, 0.0, 0.5)
     quiz = run.resolve_model(run.parse_config(["--data.task=quiz"]), ONE_PROCESS)
