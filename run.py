@@ -737,7 +737,9 @@ class Batches:
                                                     name=f"generation of batch {step + 1}").result
                           if self.d.rank == 0 else lambda: None)
         metrics["time/wait_rollout_s"] = time.perf_counter() - t0
-        metrics["async/staleness"] = sum(step - r.policy_version for r in rollouts) / max(len(rollouts), 1)
+        generated = [r for r in rollouts if r.generated]  # a reference answer (SFT, SPIN) has no weights to be stale
+        if generated:
+            metrics["async/staleness"] = sum(step - r.policy_version for r in generated) / len(generated)
         return rollouts, metrics
 
     def collect(self, step: int, d: Dist):

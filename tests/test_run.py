@@ -711,3 +711,23 @@ def test_reward_kwargs_reach_the_reward_function(tmp_path):
     assert feedback.score(run.reward_function(cfg, {"reward": "math"}), "", {"uid": "u"}, False).score == 7.0
     with pytest.raises(ValueError, match="not a JSON object"):
         run.reward_function(run.parse_config(["--data.reward_kwargs={budget: 7}"]), {"reward": "math"})
+
+
+def test_staleness_is_logged_for_generated_batches_only(tokenizer):
+    """A reference answer (SFT, the warm start, SPIN's chosen side) has no generating weights:
+    step 7 of a warm start once logged async/staleness 7. A generated one's is step - version."""
+    import objectives
+    rows = data.task_rows("strops", "train", 8)
+    cfg = run.parse_config(["--algo=sft", "--train.prompts_per_step=4"])
+    rollouts, metrics = run.Batches(cfg, objectives.OBJECTIVES["sft"], None, tokenizer, rows, ONE_PROCESS).take(7)
+    assert len(rollouts) == 4 and "async/staleness" not in metrics
+
+    class Generated(run.Batches):
+        def collect(self, step, d):
+            sample = dict(row={}, prompt_ids=[1], response_ids=[2], rollout_logprobs=[0.0], text="", truncated=False)
+            return [objectives.Rollout(**sample, policy_version=5),  # a SPIN batch: a sample and a reference
+                    objectives.Rollout(**sample, generated=False)], {}
+
+    cfg = run.parse_config(["--algo=grpo"])
+    assert Generated(cfg, objectives.OBJECTIVES["grpo"], None, tokenizer, rows, ONE_PROCESS).take(7)[1][
+        "async/staleness"] == 2
