@@ -565,9 +565,10 @@ def stderr(values: list[float]) -> float:
 # The tiny model's warm start per task: (SFT steps, demonstration share, feedback share).
 # strops: induction-style copying of a shown solution forms after ~100-150 mostly-demonstration
 # steps; at 200 the bare student is at ~29% and the demonstration teacher at ~98%, with room
-# for 40 RL steps to gain (300 steps: 33%, and 40 SDPO steps gained 0.2-2 points). quiz: a model that can compute most lines never needs to copy the ones the feedback
-# marks right, so the copying forms only with half the examples feedback contexts and lines it
-# cannot all compute (--data.quiz_max 20), in ~1000 steps (README: Does it work?).
+# for 40 RL steps to gain (at 300: 33%, and 40 SDPO steps gained 0.2-2 points). quiz: a model
+# that can compute most lines never needs to copy the ones the feedback marks right, so the
+# copying forms only with half the examples feedback contexts and lines it cannot all compute
+# (--data.quiz_max 20), in ~1000 steps (README: Does it work?).
 WARM_START_RECIPES = {"strops": (200, 0.7, 0.1), "quiz": (1000, 0.3, 0.5)}
 DEFAULT_WARM_START = (300, 0.7, 0.1)
 
