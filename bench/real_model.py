@@ -14,9 +14,8 @@ then, each as a plain `run.py` process:
 For each run: the time split per step (rollout, teacher, train, sync, eval), the peak
 memory of the whole process tree (trainer + engine core + its worker; the sum of their
 proportional set sizes, sampled every 0.5 s), and the sync figures (seconds, MB/s) at this
-size. The defaults are meant to fit ~30 minutes on an idle 2-core CPU machine (not yet
-measured idle: on the shared machine at load 14-20 the teacher gap took 38 minutes and a
-training step 3.5-4.5). Prints
+size. With the defaults it took 18 minutes from a fresh clone on the idle 2-core CPU machine
+(the wheel's download and conversion included; README). Prints
 
     RESULT teacher_gap bare=... demonstration=... feedback=... entropy_student=... ...
     RESULT algo=grpo steps=... success_before=... success_after=... ...
