@@ -705,6 +705,12 @@ def test_warm_start_recipe_is_the_tasks_where_a_flag_is_unset(warm_start_calls, 
     assert run.resolve_model(run.parse_config(["--train.warm_start_steps=0"]), ONE_PROCESS) == str(tmp_path / "tiny")
 
 
+def test_rl_learning_rate_is_the_tasks_where_the_flag_is_unset():
+    lr = lambda *flags: run.parse_config(list(flags)).optim.lr
+    assert lr() == lr("--data.task=arith") == 1e-4 and lr("--data.task=quiz") == 3e-5
+    assert lr("--data.task=quiz", "--optim.lr=1e-4") == 1e-4 and lr("--optim.lr=2e-5") == 2e-5
+
+
 def test_reward_kwargs_reach_the_reward_function(tmp_path):
     (tmp_path / "limits.py").write_text("def reward(response, row, truncated, budget=1):\n    return float(budget)\n")
     cfg = run.parse_config([f"--data.reward={tmp_path / 'limits.py'}:reward", '--data.reward_kwargs={"budget": 7}'])
