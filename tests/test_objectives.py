@@ -53,8 +53,11 @@ def test_objective_gives_the_pinned_gradients_and_metrics(name, flags):
             assert got[tensor][1] == pytest.approx(squares, rel=1e-5, abs=1e-12), tensor
             assert got[tensor][0] == pytest.approx(total, abs=1e-5 * norm + 1e-12), tensor
             assert got[tensor][2] == pytest.approx(projection, abs=1e-5 * norm + 1e-12), tensor
+    # The loss and the teacher-minus-student entropy are small differences of O(1) float32 sums:
+    # their rounding is absolute, and differs between CPUs (CI's gave 1.7e-7 on an entropy gap
+    # of 0.0085, 2e-5 of it), hence abs 1e-6, far below any real change to a metric.
     for key, value in pinned["metrics"].items():  # new metrics may be added, none may change
-        assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-9), key
+        assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
 def test_the_algo_flag_offers_exactly_the_rows_of_the_table():
