@@ -88,6 +88,10 @@ class RolloutConfig:
     is_level: Literal["token", "sequence"] = "token"
     eval_temperature: float = 0.6
     eval_k: int = 4  # avg@k
+    # The held-out evaluation's sampling seed, not --train.seed: runs of every training seed then
+    # draw the same samples from the same weights at step 0, so their curves start together and
+    # differ by what training did (the seed spread of bench/learning.py), not by the eval's draws
+    eval_seed: int = 0
     rpc_timeout_s: float = 600.0  # longest wait for a weight load into the engine
 
 
@@ -1040,7 +1044,7 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             step % cfg.train.eval_every == 0 or step == cfg.train.steps)
         metrics = {}  # first_eval: each held-out row's success at step 0; later gains are paired with it
         if evaluate_now(0) and start_step == 0:
-            metrics, first_eval = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))
+            metrics, first_eval = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.rollout.eval_seed))
             logger.log(0, metrics)
 
         batches = Batches(cfg, objective, engine, tokenizer, train_rows, d, ahead)
@@ -1059,7 +1063,7 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             metrics["throughput/tokens_per_s"] = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts) / metrics["time/step_s"]
             # 8. evaluate, log, checkpoint
             if evaluate_now(step + 1):
-                metrics.update(rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed,
+                metrics.update(rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.rollout.eval_seed,
                                                               first_eval))[0])
             logger.log(step + 1, metrics)
             if generates:
@@ -1106,10 +1110,10 @@ def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
 
 def evaluate_only(cfg: Config, model_dir: str, engine, tokenizer, eval_rows: list, logger, d: Dist) -> dict:
     """--eval_only: avg@k on the held-out rows (and, with --teacher_gap, what SDPO's teacher can do)."""
-    metrics = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.train.seed))[0]
+    metrics = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.rollout.eval_seed))[0]
     if cfg.teacher_gap:
-        metrics.update(rank0_call(d, lambda: teacher_gap(engine, tokenizer, eval_rows, cfg, cfg.train.seed)))
-        metrics.update(rank0_call(d, lambda: context_entropies(engine, tokenizer, eval_rows, cfg, cfg.train.seed,
+        metrics.update(rank0_call(d, lambda: teacher_gap(engine, tokenizer, eval_rows, cfg, cfg.rollout.eval_seed)))
+        metrics.update(rank0_call(d, lambda: context_entropies(engine, tokenizer, eval_rows, cfg, cfg.rollout.eval_seed,
                                                                 model_dir, d.device)))
     logger.log(0, metrics)
     return metrics

@@ -453,6 +453,29 @@ def test_paired_gain_is_the_mean_row_difference_with_its_own_standard_error():
     assert gain_stderr < 0.5 * run.stderr(before) and gain_stderr < 0.5 * run.stderr(after)
 
 
+def test_evaluation_samples_with_the_eval_seed_whatever_the_training_seed(tiny_dir, tokenizer, tmp_path,
+                                                                          monkeypatch):
+    """Runs of several training seeds evaluate the same rows with the same sampling seed, so
+    their step-0 evaluations agree and a bench's seed spread is what training did."""
+    seeds = []
+
+    class SeedRecorder:
+        def generate(self, prompts, n, temperature, max_tokens, seed, images=None):
+            seeds.append(seed)
+            return [[Sample(p, [tokenizer.eos_token_id], [-1.0], "", False)] * n for p in prompts]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(run, "start_engine", lambda *args, **kwargs: SeedRecorder())
+    for train_seed in (0, 3):
+        cfg = run.parse_config([f"--train.seed={train_seed}", "--train.steps=0", "--data.eval_rows=4",
+                                "--rollout.eval_seed=11", f"--log.out_dir={tmp_path / str(train_seed)}",
+                                "--log.wandb_mode=disabled", "--log.progress=False"])
+        run.train(cfg, tiny_dir, ONE_PROCESS)
+    assert seeds == [11, 11]
+
+
 # ----------------------------------------------------------------------------------------
 # real runs (a vLLM engine; tens of seconds each)
 
