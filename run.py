@@ -287,11 +287,28 @@ class CausalLM(torch.nn.Module):
         copied to each sequence's row. packed.images: the sequences' pictures (see embed)."""
         if packed.images and self.vision is None:
             raise ValueError("sequences with images need a vision-language model")
+        weight = self.hf.lm_head.weight
+        if not self.unsharded_on_gpu():
+            return head(self.response_hidden(packed), weight)
+        # One process leaves the model unsharded, so FSDP2's MixedPrecisionPolicy (bf16 parameters)
+        # never applies, and it trained in float32: 2.4x slower on an H100 at 0.5B
+        # (bench/results/gpu.md). bf16 autocast over the network, and the head in bf16 as FSDP2
+        # runs it; parameters, gradients and AdamW stay float32.
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            hidden = self.response_hidden(packed)
+        return head(hidden.to(torch.bfloat16), weight.to(torch.bfloat16))
+
+    def unsharded_on_gpu(self) -> bool:
+        weight = self.hf.lm_head.weight
+        return not self.sharded and weight.device.type == "cuda" and weight.dtype == torch.float32
+
+    def response_hidden(self, packed: data.Packed) -> torch.Tensor:
+        """The last hidden states [N, H] at packed's response positions."""
         if self.vision is not None:
             if packed.prefix is not None:
                 raise ValueError("a vision-language model runs without a shared prefix (objectives.pack)")
             hidden = self.hf.model(attention_mask=packed.attention_mask, **self.embed(packed)).last_hidden_state
-            return head(hidden.flatten(0, 1)[packed.hidden_index], self.hf.lm_head.weight)
+            return hidden.flatten(0, 1)[packed.hidden_index]
         past, positions, attention_mask = None, None, packed.attention_mask
         if packed.prefix is not None:
             prefix_ids, prefix_mask, prefix_positions, row = packed.prefix
@@ -303,7 +320,7 @@ class CausalLM(torch.nn.Module):
             attention_mask = torch.cat([prefix_mask[row], attention_mask], dim=1)
         hidden = self.hf.model(input_ids=packed.input_ids, attention_mask=attention_mask, position_ids=positions,
                                past_key_values=past, use_cache=packed.prefix is not None).last_hidden_state
-        return head(hidden.flatten(0, 1)[packed.hidden_index], self.hf.lm_head.weight)
+        return hidden.flatten(0, 1)[packed.hidden_index]
 
     def embed(self, packed: data.Packed) -> dict:
         """A vision-language model's inputs: token embeddings with the vision tower's outputs

@@ -19,8 +19,8 @@ steps, objectives.cache_teacher_hidden for SDPO, every micro-batch's objective l
 grad clipping, AdamW), then the EMA step (timed apart, as run.learn does it).
 
 One GPU: run.shard leaves the policy unsharded at world size 1 (run.py's single-process path:
-float32 weights and matmuls, no mixed precision). By default this script shards it anyway (a
-one-rank FSDP2 mesh), so that one GPU measures what each of N GPUs runs, bf16 compute included;
+float32 weights, bf16 autocast, run.CausalLM.forward). By default this script shards it anyway
+(a one-rank FSDP2 mesh), so that one GPU measures what each of N GPUs runs;
 --no-fsdp-at-world-1 measures run.py's single-process path instead.
 
 Model FLOPs (counted on the real tokens, not the padding; N = non-embedding parameters, V the
@@ -471,7 +471,7 @@ def main():
         shapes = model_shapes(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)))
     device_name = torch.cuda.get_device_name(d.device) if cuda else "cpu"
     mode = "FSDP2 bf16 params, fp32 reduce" if (d.world > 1 or args.fsdp_at_world_1) and cuda else (
-        "FSDP2 (CPU: fp32)" if d.world > 1 or args.fsdp_at_world_1 else "no FSDP, fp32 (run.py at world 1)")
+        "FSDP2 (CPU: fp32)" if d.world > 1 or args.fsdp_at_world_1 else "no FSDP: fp32 weights, bf16 autocast on GPU (run.py at world 1)")
     if d.rank == 0:
         print(f"device={device_name} x{d.world} torch={torch.__version__} mode: {mode}")
         print(f"model: {shapes['params'] / 1e6:.1f} M params ({shapes['non_embedding'] / 1e6:.1f} M non-embedding), "
