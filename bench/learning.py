@@ -1,6 +1,6 @@
 """Sample efficiency: SDPO, GRPO (and DPO, ...) at equal generation budgets, several seeds.
 
-    python bench/learning.py [--tasks quiz,strops,arith] [--algos grpo,sdpo,dpo] [--seeds 3] [--steps 40] [--eval_every 10]
+    python bench/learning.py [--tasks quiz,strops,arith] [--algos grpo,sdpo,dpo] [--seeds 3] [--steps 80] [--eval_every 10]
                              [--out runs/bench-learning] [--launcher "torchrun --nproc_per_node=4"]
                              [extra run.py flags, e.g. --model.path=/models/qwen3-8b --data.quiz_max=12]
 
@@ -151,13 +151,14 @@ def plot(path: str, task: str, summary: dict):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", default="strops,arith")
+    # the quiz: the task whose feedback tells the teacher what the prompt does not (README: Does it work?)
+    parser.add_argument("--tasks", default="quiz")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--eval_every", type=int, default=10)
     parser.add_argument("--out", default="runs/bench-learning")
     parser.add_argument("--launcher", default=sys.executable, help="e.g. 'torchrun --nproc_per_node=4'")
-    parser.add_argument("--algos", default="grpo,sdpo", help="rows of objectives.OBJECTIVES; the first is the baseline")
+    parser.add_argument("--algos", default="grpo,sdpo,dpo", help="rows of objectives.OBJECTIVES; the first is the baseline")
     args, extra = parser.parse_known_args()
     import objectives
     algos = args.algos.split(",")
@@ -170,8 +171,8 @@ def main():
     diag_table = ["| task | algo | " + " | ".join(DIAGNOSTICS.values()) + " |", "|---|---|" + "---|" * len(DIAGNOSTICS)]
     results = []
     for task in args.tasks.split(","):
-        # 256 held-out rows (run.py's default is 2048, for one run's gain): five evaluations per run
-        # at 2048 would add ~20 minutes to the three-seed bench; the seeds' spread is its error bar
+        # 256 held-out rows (run.py's default is 2048, for one run's gain): nine evaluations per run
+        # at 2048 would add ~1 hour to the nine runs; the seeds' spread is its error bar
         task_flags = [f"--data.task={task}", "--data.eval_rows=256"] + extra  # later flags win
         name = os.path.splitext(os.path.basename(task))[0]  # a synthetic task's name, or the data file's
         start = warm_start(task_flags)
