@@ -457,11 +457,12 @@ def reward_function(cfg: Config, row: dict):
     return functools.partial(fn, **kwargs)
 
 
-def evaluate(engine, tokenizer, rows, cfg: Config, seed: int, before: list | None = None) -> tuple[dict, list]:
+def evaluate(engine, tokenizer, rows, cfg: Config, before: list | None = None) -> tuple[dict, list]:
     """avg@k success and its standard error, mean response length and truncation rate on
     held-out rows; and each row's success. before: each row's success at an earlier
     evaluation of the same rows; then also the gain since and its paired standard error."""
-    rollouts = generate_and_score(engine, tokenizer, rows, cfg, seed, cfg.rollout.eval_k, cfg.rollout.eval_temperature)
+    rollouts = generate_and_score(engine, tokenizer, rows, cfg, cfg.rollout.eval_seed, cfg.rollout.eval_k,
+                                  cfg.rollout.eval_temperature)
     n = max(len(rollouts), 1)
     per_row = row_success(rollouts, cfg.rollout.eval_k, cfg)
     metrics = {
@@ -1061,7 +1062,7 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             step % cfg.train.eval_every == 0 or step == cfg.train.steps)
         metrics = {}  # first_eval: each held-out row's success at step 0; later gains are paired with it
         if evaluate_now(0) and start_step == 0:
-            metrics, first_eval = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.rollout.eval_seed))
+            metrics, first_eval = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg))
             logger.log(0, metrics)
 
         batches = Batches(cfg, objective, engine, tokenizer, train_rows, d, ahead)
@@ -1080,8 +1081,7 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             metrics["throughput/tokens_per_s"] = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts) / metrics["time/step_s"]
             # 8. evaluate, log, checkpoint
             if evaluate_now(step + 1):
-                metrics.update(rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.rollout.eval_seed,
-                                                              first_eval))[0])
+                metrics.update(rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, first_eval))[0])
             logger.log(step + 1, metrics)
             if generates:
                 logger.log_samples(step + 1, rollouts)
@@ -1127,7 +1127,7 @@ def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
 
 def evaluate_only(cfg: Config, model_dir: str, engine, tokenizer, eval_rows: list, logger, d: Dist) -> dict:
     """--eval_only: avg@k on the held-out rows (and, with --teacher_gap, what SDPO's teacher can do)."""
-    metrics = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, cfg.rollout.eval_seed))[0]
+    metrics = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg))[0]
     if cfg.teacher_gap:
         metrics.update(rank0_call(d, lambda: teacher_gap(engine, tokenizer, eval_rows, cfg, cfg.rollout.eval_seed)))
         metrics.update(rank0_call(d, lambda: context_entropies(engine, tokenizer, eval_rows, cfg, cfg.rollout.eval_seed,
