@@ -15,6 +15,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import gc
 import json
 import math
 import os
@@ -266,6 +267,19 @@ def setup_distributed() -> Dist:
         # A dead peer must surface as an error, not an endless wait.
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
     return Dist(dist.get_rank() if world > 1 else 0, world, device)
+
+
+def end_distributed(d: Dist):
+    """The end of a torchrun process: every rank here, then the process group destroyed.
+
+    Called once the models are out of scope: gc first, so that FSDP2's states and the
+    collectives' work handles caught in reference cycles are freed while the process group
+    is alive, not during interpreter teardown, where gloo's threads can abort the process.
+    """
+    if d.world > 1:
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 class CausalLM(torch.nn.Module):
@@ -1692,9 +1706,7 @@ def main(argv=None):
     if d.rank == 0:
         shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("eval/", "reward/"))}
         print(f"done in {time.perf_counter() - t0:.0f}s: {shown} -> {cfg.log.out_dir}")
-    if d.world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    end_distributed(d)
     return metrics
 
 

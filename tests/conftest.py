@@ -18,3 +18,13 @@ def tiny_dir():
 def tokenizer(tiny_dir):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(tiny_dir)
+
+
+def exit_now():
+    """The end of a tests/dist_*.py process once its results are on disk: skip the
+    interpreter's teardown. CI saw one rank of a finished two-rank run abort there
+    ("terminate called without an active exception", gloo's threads; 1 run in ~30, not
+    reproduced since), failing a test whose figures were already written."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -11,9 +11,13 @@ import json
 import os
 import sys
 
-if __name__ == "__main__":
-    ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from conftest import exit_now  # noqa: E402
+
+
+def main(out_dir, d):
+    """One DPO update of both ranks; rank 0 writes its gradients and metrics into out_dir."""
     import torch
 
     import data
@@ -36,8 +40,6 @@ if __name__ == "__main__":
         def zero_grad(self, set_to_none=True):
             self.model.zero_grad(set_to_none=set_to_none)
 
-    out_dir = sys.argv[1]
-    d = run.setup_distributed()
     tiny = data.tiny_model_dir()
     tokenizer = run.load_tokenizer(tiny)
     cfg = dpo_config("--rollout.n=4", *TWO_RANK_FLAGS)
@@ -54,5 +56,11 @@ if __name__ == "__main__":
         torch.save(recorder.grads, os.path.join(out_dir, "grads.pt"))
         with open(os.path.join(out_dir, "metrics.json"), "w") as f:
             json.dump(metrics, f)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import run
+    d = run.setup_distributed()
+    main(sys.argv[1], d)
+    run.end_distributed(d)
+    exit_now()

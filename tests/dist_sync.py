@@ -15,8 +15,13 @@ import os
 import sys
 import time
 
-if __name__ == "__main__":  # vLLM starts its engine core with spawn: the entry point must be guarded
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from conftest import exit_now  # noqa: E402
+
+
+def main(out_dir, model_dir, d):
+    """The sync of both ranks; each writes out_dir/rank{N}.json."""
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -27,8 +32,6 @@ if __name__ == "__main__":  # vLLM starts its engine core with spawn: the entry 
     import rollout
     import run
 
-    out_dir, model_dir = sys.argv[1], sys.argv[2]
-    d = run.setup_distributed()
     rank, world, device = d.rank, d.world, d.device
     result = {"rank": rank, "world": world}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -85,5 +88,11 @@ if __name__ == "__main__":  # vLLM starts its engine core with spawn: the entry 
         engine.close()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # vLLM starts its engine core with spawn: the entry point must be guarded
+    import run
+    d = run.setup_distributed()
+    main(sys.argv[1], sys.argv[2], d)
+    run.end_distributed(d)
+    exit_now()
