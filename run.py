@@ -184,6 +184,7 @@ class OptimConfig:
     grad_clip: float = 1.0
     beta1: float = 0.9
     beta2: float = 0.999
+    eps: float = 1e-8  # AdamW's; larger damps the steps of parameters whose gradient is ~0 and noisy
 
 
 @dataclass
@@ -1202,7 +1203,8 @@ def build_trainer(cfg: Config, objective, model_dir: str, d: Dist) -> Trainer:
     models the objective asks for."""
     policy = load_policy(model_dir, cfg, d.world, d.device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr,
-                                  betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
+                                  betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
+                                  weight_decay=cfg.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
     models = Models(policy)
     if "teacher" in objective.models:
@@ -1578,13 +1580,16 @@ def resolve_model(cfg: Config, d: Dist) -> str:
     warm = dataclasses.replace(
         cfg, algo=AlgoConfig(name="sft"), rollout=RolloutConfig(),
         # decayed to 0: the warm start's last weights are all that is kept
-        optim=dataclasses.replace(cfg.optim, lr=cfg.train.warm_start_lr, decay="linear"),
+        optim=dataclasses.replace(cfg.optim, lr=cfg.train.warm_start_lr, decay="linear", eps=OptimConfig.eps),
         train=dataclasses.replace(cfg.train, **warm_train), log=dataclasses.replace(cfg.log, wandb_mode="disabled"),
         eval_only=False, ttt_prompts=0)  # those modes are for the RL run, not its warm start
     templates = {k: getattr(cfg.sdpo, k) for k in ("reprompt_template", "solution_template", "feedback_template",
                                                      "max_reprompt_len")}
     train_data = {k: v for k, v in dataclasses.asdict(warm.data).items() if k not in ("eval_rows", "eval_path")}
-    recipe = json.dumps([tiny, templates, train_data, warm_train, dataclasses.asdict(warm.optim)], sort_keys=True)
+    # --optim.eps is RL-only (the warm start keeps AdamW's default), and out of the key, which
+    # predates the flag
+    warm_optim = {k: v for k, v in dataclasses.asdict(warm.optim).items() if k != "eps"}
+    recipe = json.dumps([tiny, templates, train_data, warm_train, warm_optim], sort_keys=True)
     import hashlib
     path = tiny + "-sft-" + hashlib.sha1(recipe.encode()).hexdigest()[:10]
     if not os.path.exists(os.path.join(path, "final", "config.json")):

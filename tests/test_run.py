@@ -698,11 +698,12 @@ def test_warm_start_is_plain_sft_and_shared_across_rl_flags(warm_start_calls):
     the warm start would evaluate instead of training it), and its cache key agrees."""
     calls = warm_start_calls
     first = run.resolve_model(run.parse_config(["--eval_only=True", "--ttt_prompts=4", "--optim.lr=0.5",
-                                                "--train.seed=7", "--train.mini_batches=8", "--data.eval_rows=9"]),
+                                                "--train.seed=7", "--train.mini_batches=8", "--data.eval_rows=9",
+                                                "--optim.eps=1e-4"]),
                               ONE_PROCESS)
     warm = calls[0]
     assert (warm.algo.name, warm.eval_only, warm.ttt_prompts) == ("sft", False, 0)
-    assert (warm.optim.lr, warm.train.seed, warm.train.mini_batches) == (2e-3, 0, 1)
+    assert (warm.optim.lr, warm.optim.eps, warm.train.seed, warm.train.mini_batches) == (2e-3, 1e-8, 0, 1)
     assert warm.train.steps == 200 and warm.train.prompts_per_step == 32
     assert run.resolve_model(run.parse_config([]), ONE_PROCESS) == first and len(calls) == 1  # cached
     run.resolve_model(run.parse_config(["--train.warm_start_lr=1e-3"]), ONE_PROCESS)
