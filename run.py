@@ -512,10 +512,11 @@ def teacher_context_ids(tokenizer, row: dict, kind: str, rng: random.Random, cfg
     return sdpo.teacher_prompt_ids(tokenizer, row["messages"], None, reward.feedback, cfg.sdpo) if reward.feedback else None
 
 
-def teacher_gap(engine, tokenizer, rows, cfg: Config, seed: int) -> dict:
+def teacher_gap(engine, tokenizer, rows, cfg: Config) -> dict:
     """What SDPO relies on (the paper: it needs in-context ability): eval success of the
     model shown the reference as a demonstration, and shown a wrong attempt's feedback,
-    next to eval/success_rate on the bare prompts."""
+    next to eval/success_rate on the bare prompts. Sampled with --rollout.eval_seed."""
+    seed = cfg.rollout.eval_seed
     rng, out = random.Random(seed), {}
     for kind in ("demonstration", "feedback"):
         pairs = [(row, teacher_context_ids(tokenizer, row, kind, rng, cfg)) for row in rows if row.get("reference")]
@@ -529,7 +530,7 @@ def teacher_gap(engine, tokenizer, rows, cfg: Config, seed: int) -> dict:
 
 
 @torch.no_grad()
-def context_entropies(engine, tokenizer, rows, cfg: Config, seed: int, model_dir: str, device) -> dict:
+def context_entropies(engine, tokenizer, rows, cfg: Config, model_dir: str, device) -> dict:
     """SDPO's teacher on the model's own samples (the paper: SDPO needs in-context ability).
 
     Samples --rollout.n responses per row at the training temperature, builds their teacher
@@ -541,7 +542,8 @@ def context_entropies(engine, tokenizer, rows, cfg: Config, seed: int, model_dir
     student (positive eval/teacher_minus_student_entropy) pulls the student towards a flatter
     distribution: distillation then raises the policy's entropy instead of sharpening it.
     """
-    rollouts = generate_and_score(engine, tokenizer, rows, cfg, seed, cfg.rollout.n, cfg.rollout.temperature)
+    rollouts = generate_and_score(engine, tokenizer, rows, cfg, cfg.rollout.eval_seed, cfg.rollout.n,
+                                  cfg.rollout.temperature)
     coverage = objectives.prepare_teacher_contexts(rollouts, tokenizer, cfg)["sdpo/teacher_coverage"]
     model = load_policy(model_dir, cfg, 1, device).eval()
     pad_id = pad_token_id(tokenizer)
@@ -1144,9 +1146,8 @@ def evaluate_only(cfg: Config, model_dir: str, engine, tokenizer, eval_rows: lis
     """--eval_only: avg@k on the held-out rows (and, with --teacher_gap, what SDPO's teacher can do)."""
     metrics = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg))[0]
     if cfg.teacher_gap:
-        metrics.update(rank0_call(d, lambda: teacher_gap(engine, tokenizer, eval_rows, cfg, cfg.rollout.eval_seed)))
-        metrics.update(rank0_call(d, lambda: context_entropies(engine, tokenizer, eval_rows, cfg, cfg.rollout.eval_seed,
-                                                                model_dir, d.device)))
+        metrics.update(rank0_call(d, lambda: teacher_gap(engine, tokenizer, eval_rows, cfg)))
+        metrics.update(rank0_call(d, lambda: context_entropies(engine, tokenizer, eval_rows, cfg, model_dir, d.device)))
     logger.log(0, metrics)
     return metrics
 

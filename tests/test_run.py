@@ -595,7 +595,7 @@ def test_teacher_gap_scores_the_model_shown_a_demonstration_and_feedback(tokeniz
     cfg = run.parse_config(["--rollout.eval_k=2"])
     rows = data.task_rows("strops", "test", 5)
     engine = CopyingEngine(tokenizer)
-    gap = run.teacher_gap(engine, tokenizer, rows, cfg, seed=0)
+    gap = run.teacher_gap(engine, tokenizer, rows, cfg)
     assert gap["eval/success_rate_with_demonstration"] == 1.0 and gap["eval/rows_with_demonstration"] == 5
     assert gap["eval/success_rate_with_feedback"] == 0.0 and gap["eval/rows_with_feedback"] == 5
     demo_prompts, feedback_prompts = engine.prompts[:5], engine.prompts[5:]
@@ -610,7 +610,7 @@ def test_context_entropies_match_a_plain_forward(tiny_dir, tokenizer):
     cfg = run.parse_config(["--algo=sdpo", "--rollout.n=3", "--rollout.temperature=0.7", "--train.micro_batch=2"])
     rows = data.task_rows("strops", "train", 2)
     engine = CannedEngine(tokenizer, ["Program: nonsense", rows[0]["reference"], "Program: reverse | upper"])
-    got = run.context_entropies(engine, tokenizer, rows, cfg, 0, tiny_dir, CPU)
+    got = run.context_entropies(engine, tokenizer, rows, cfg, tiny_dir, CPU)
 
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
