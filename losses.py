@@ -656,42 +656,55 @@ class _TopKDistillFromHidden(torch.autograd.Function):
 
 def _backward_by_vocab_blocks(ctx, grad_output):
     """
-    Per-token mode backward. With grad_output known, the gradient w.r.t. the logits is
-        G[n, v] = (grad_lse[n] softmax(z_n)[v] + sum_j [ids[n, j] == v] grad_top[n, j]) / T,
-    and grad_hidden = G @ W, grad_weight = G^T @ hidden. G is rebuilt one block of vocab
-    columns at a time for all N rows, so each block of grad_weight is written once by a
-    single matmul over all tokens: no [V, H] accumulation pass per chunk, and no
-    float32 [V, H] buffer for low-precision weights.
+    Per-token mode backward: the divergence's gradients w.r.t. the student's top-K logits
+    and logsumexp, chained to the inputs by _head_grads_by_vocab_blocks.
     """
     k, alpha, add_tail, temperature, chunk_size, _ = ctx.config
     student_hidden, student_weight, topk_ids, student_tops, student_lses, teacher_supports = ctx.saved_tensors
-    need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    (num_tokens, _), vocab, work_dtype = student_hidden.shape, student_weight.shape[0], teacher_supports.dtype
     _, grad_top, grad_lse = _support_grads(
-        student_tops, student_lses, teacher_supports, alpha, add_tail, grad_output.to(work_dtype)
+        student_tops, student_lses, teacher_supports, alpha, add_tail, grad_output.to(teacher_supports.dtype)
     )
-    grad_top, grad_lse = grad_top / temperature, grad_lse / temperature
-    # the top-K entries, sorted by vocab id, so that each block's entries are one slice
-    flat_ids = topk_ids.flatten()
+    return _head_grads_by_vocab_blocks(student_hidden, student_weight, student_lses, grad_lse, topk_ids, grad_top,
+                                       temperature, chunk_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+
+
+def _head_grads_by_vocab_blocks(hidden, weight, lses, grad_lse, ids, grad_ids, temperature, chunk_size,
+                                need_hidden_grad, need_weight_grad):
+    """
+    Gradients through z = hidden [N, H] @ weight [V, H]^T / T of a loss whose gradient
+    w.r.t. the logits is known from per-row quantities: the row's logsumexp lses [N, 1]
+    (of z) gets grad_lse [N, 1] and the entries ids [N, K] get grad_ids [N, K], so
+        G[n, v] = (grad_lse[n] softmax(z_n)[v] + sum_j [ids[n, j] == v] grad_ids[n, j]) / T,
+    and grad_hidden = G @ W, grad_weight = G^T @ hidden. G is rebuilt one block of vocab
+    columns at a time for all N rows, so each block of grad_weight is written once by a
+    single matmul over all tokens: no [V, H] accumulation pass per chunk, and no
+    float32 [V, H] buffer for low-precision weights. Returns (grad_hidden in the work
+    dtype or None, grad_weight or None).
+    """
+    (num_tokens, _), vocab, work_dtype = hidden.shape, weight.shape[0], lses.dtype
+    k = ids.shape[1]
+    grad_ids, grad_lse = grad_ids / temperature, grad_lse / temperature
+    # the entries, sorted by vocab id, so that each block's entries are one slice
+    flat_ids = ids.flatten()
     order = flat_ids.argsort()
-    sorted_ids, sorted_rows, sorted_grads = flat_ids[order], order // k, grad_top.flatten()[order]
+    sorted_ids, sorted_rows, sorted_grads = flat_ids[order], order // k, grad_ids.flatten()[order]
     # a block of [N, block] holds as many elements as a [chunk_size, V] chunk
     block = max(1, min(vocab, chunk_size * vocab // max(num_tokens, 1)))
     block_starts = list(range(0, vocab, block))
     edges = torch.searchsorted(sorted_ids, torch.tensor(block_starts + [vocab], device=sorted_ids.device)).tolist()
-    new = dict(device=student_hidden.device)
+    new = dict(device=hidden.device)
     storage = torch.empty(num_tokens * block, dtype=work_dtype, **new)
-    low_precision = student_hidden.dtype != work_dtype
-    low_storage = torch.empty(num_tokens * block, dtype=student_hidden.dtype, **new) if low_precision else None
-    grad_hidden = torch.zeros_like(student_hidden, dtype=work_dtype) if need_hidden_grad else None
-    grad_weight = torch.empty_like(student_weight) if need_weight_grad else None
+    low_precision = hidden.dtype != work_dtype
+    low_storage = torch.empty(num_tokens * block, dtype=hidden.dtype, **new) if low_precision else None
+    grad_hidden = torch.zeros_like(hidden, dtype=work_dtype) if need_hidden_grad else None
+    grad_weight = torch.empty_like(weight) if need_weight_grad else None
     for i, start in enumerate(block_starts):
         stop = min(start + block, vocab)
         shape = (num_tokens, stop - start)
         buffer = storage[: shape[0] * shape[1]].view(shape)
         low_buffer = None if low_storage is None else low_storage[: shape[0] * shape[1]].view(shape)
-        weight_block = student_weight[start:stop]
-        logprobs = _logits_into(buffer, student_hidden, weight_block, temperature, low_buffer, shift=student_lses)
+        weight_block = weight[start:stop]
+        logprobs = _logits_into(buffer, hidden, weight_block, temperature, low_buffer, shift=lses)
         grad_logits = logprobs.exp_().mul_(grad_lse)
         entries = slice(edges[i], edges[i + 1])
         grad_logits.index_put_(
@@ -705,7 +718,7 @@ def _backward_by_vocab_blocks(ctx, grad_output):
             else:
                 grad_hidden.add_(grad_logits @ weight_block)
         if grad_weight is not None:
-            torch.mm(grad_logits.T, student_hidden, out=grad_weight[start:stop])
+            torch.mm(grad_logits.T, hidden, out=grad_weight[start:stop])
     return grad_hidden, grad_weight
 
 
@@ -789,3 +802,70 @@ def sdpo_topk_loss_from_hidden(
         chunk_size,
         teacher_mix,
     )
+
+
+# -----------------------------------------------------------------------------
+# token log-probs with a gradient, straight from hidden states (policy-gradient, DPO, SFT)
+
+
+class _TokenLogprobsFromHidden(torch.autograd.Function):
+    """
+    Chunked token log-probs and entropies; see token_logprobs_from_hidden. Forward keeps
+    only each row's logsumexp [N, 1]; backward re-runs the head in vocab blocks.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size):
+        num_tokens = hidden.shape[0]
+        work_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        buffer, low_precision_buffer = _chunk_buffers(hidden, weight, chunk_size, work_dtype)
+        logprobs = torch.empty(num_tokens, dtype=work_dtype, device=hidden.device)
+        entropies, lses = torch.empty_like(logprobs), torch.empty(num_tokens, 1, dtype=work_dtype, device=hidden.device)
+        for start in range(0, num_tokens, chunk_size):
+            rows = slice(start, min(start + chunk_size, num_tokens))
+            logits = _logits_into(buffer, hidden[rows], weight, temperature, low_precision_buffer)
+            picked = logits.gather(-1, targets[rows, None])
+            lse, row_sum = _exp_shifted_(logits)  # logits now hold e = exp(z - max z)
+            lses[rows] = lse
+            logprobs[rows] = (picked - lse).squeeze(-1)
+            # H = lse - sum_v p_v z_v = log S - sum_v e_v log e_v / S, with S = sum_v e_v
+            entropies[rows] = (row_sum.log() - torch.special.xlogy(logits, logits).sum(-1, keepdim=True) / row_sum
+                               ).squeeze(-1)
+        ctx.mark_non_differentiable(entropies)
+        ctx.save_for_backward(hidden, weight, targets, lses)
+        ctx.config = (temperature, chunk_size, hidden.dtype, weight.dtype)
+        return logprobs, entropies
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropies):
+        hidden, weight, targets, lses = ctx.saved_tensors
+        temperature, chunk_size, hidden_dtype, weight_dtype = ctx.config
+        grad = grad_logprobs.to(lses.dtype)[:, None]
+        # d log p_t / dz = onehot(t) - softmax(z): the logsumexp gets -grad, the target +grad
+        grad_hidden, grad_weight = _head_grads_by_vocab_blocks(
+            hidden, weight, lses, -grad, targets[:, None], grad, temperature, chunk_size,
+            ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden_dtype)
+        grad_weight = None if grad_weight is None else grad_weight.to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def token_logprobs_from_hidden(hidden, weight, targets, temperature=1.0, chunk_size=512):
+    """
+    Token log-probs with a gradient, and entropies without, from final hidden states,
+    never materialising [N, V] logits. Equals, in value and gradient,
+
+        logits = (hidden @ weight.T).float()
+        token_logprobs(logits, targets, temperature), entropy_from_logits(logits.detach(), temperature)
+
+    hidden [N, H] (the response positions only), weight [V, H] (the LM head, no bias),
+    targets [N] int64 -> (logprobs [N], entropy [N]) in float32 (float64 for float64
+    inputs); bf16/fp16 inputs get bf16/fp16 matmuls. Forward computes chunk_size rows of
+    logits at a time in one reused buffer and keeps only each row's logsumexp; backward
+    accepts any grad_output [N] and re-runs the head in blocks of vocab columns (one
+    extra N*V*H matmul: 4/3 of the plain path's head matmuls). The plain path keeps the
+    float32 [N, V] logits (and builds their [N, V] gradient): 4 N V bytes, 1.2 GB for
+    2,048 tokens of a 152k vocabulary, where this keeps two [chunk_size, V] buffers.
+    """
+    return _TokenLogprobsFromHidden.apply(hidden, weight, targets, temperature, chunk_size)

@@ -23,7 +23,7 @@ that row's plain functions at fixed points of a step:
 
 To try a new objective: write its prepare and loss with the functions of losses.py, add a
 row. The shared mechanics every loss uses are written once, above the objectives: the
-forward pass (`forward`, `logprob_head`), the engine-vs-trainer correction
+forward pass (`forward`, `logprob_head`, `policy_logprobs`), the engine-vs-trainer correction
 (`engine_correction`), the rollout statistics (`rollout_stats`) and `aggregate`.
 
 Statistics are (sum, count) pairs so that run.reduce_stats can average them over
@@ -209,13 +209,24 @@ def forward(model, packed: data.Packed, head):
     return model(packed, head)
 
 
-def logprob_head(targets: torch.Tensor, temperature: float):
-    """Head for the policy-gradient and SFT losses: one pass over the logits gives the
-    log-probs of targets [N] (with gradient) and the entropy [N] (without)."""
+def logprob_head(targets: torch.Tensor, temperature: float, chunk_size: int):
+    """Head for the policy-gradient, DPO and SFT losses: the log-probs of targets [N] (with
+    gradient) and the entropy [N] (without). chunk_size > 0: chunk_size rows of logits at a
+    time, never [N, V] (losses.token_logprobs_from_hidden); 0: one pass over the full
+    float32 logits (plain autograd, which keeps them for backward)."""
     def head(hidden, weight):
+        if chunk_size:
+            return losses.token_logprobs_from_hidden(hidden, weight, targets, temperature, chunk_size)
         logits = (hidden @ weight.T).float()
         return losses.token_logprobs(logits, targets, temperature), losses.entropy_from_logits(logits.detach(), temperature)
     return head
+
+
+def policy_logprobs(mb: MicroBatch, models: Models, cfg, temperature: float | None = None):
+    """The policy's log-probs [N] (with gradient) and entropies [N] of mb's response tokens,
+    at the sampling temperature unless given."""
+    temperature = cfg.rollout.temperature if temperature is None else temperature
+    return forward(models.policy, mb.packed, logprob_head(mb.packed.targets, temperature, cfg.train.head_chunk_size))
 
 
 def old_or_current(mb: MicroBatch, current_logprobs: torch.Tensor) -> torch.Tensor:
@@ -294,13 +305,13 @@ def clipped_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor, 
 
 def grpo_loss(mb: MicroBatch, models: Models, cfg):
     """PPO-clip on GRPO advantages (DAPO's clip-higher: --algo.eps_high=0.28)."""
-    logprobs, entropy = forward(models.policy, mb.packed, logprob_head(mb.packed.targets, cfg.rollout.temperature))
+    logprobs, entropy = policy_logprobs(mb, models, cfg)
     return clipped_loss(mb, logprobs, entropy, mb.per_sequence(lambda r: r.advantage), cfg)
 
 
 def gspo_loss(mb: MicroBatch, models: Models, cfg):
     """GSPO: the clipped ratio is the sequence's geometric-mean ratio (--algo.gspo_eps_*)."""
-    logprobs, entropy = forward(models.policy, mb.packed, logprob_head(mb.packed.targets, cfg.rollout.temperature))
+    logprobs, entropy = policy_logprobs(mb, models, cfg)
     return clipped_loss(mb, logprobs, entropy, mb.per_sequence(lambda r: r.advantage), cfg, surrogate="gspo")
 
 
@@ -466,7 +477,7 @@ def hybrid_loss(mb: MicroBatch, models: Models, cfg):
     targets, temperature = mb.packed.targets, cfg.rollout.temperature
 
     def head(hidden, weight):
-        logprobs, entropy = logprob_head(targets, temperature)(hidden, weight)
+        logprobs, entropy = logprob_head(targets, temperature, cfg.train.head_chunk_size)(hidden, weight)
         teacher_weight = models.teacher.head_weight(weight).to(hidden.dtype)
         teacher_lp, _ = losses.logprobs_and_entropy_from_hidden(teacher_hidden.to(hidden.dtype), teacher_weight,
                                                                 targets, temperature, cfg.sdpo.chunk_size)
@@ -486,7 +497,7 @@ def hybrid_loss(mb: MicroBatch, models: Models, cfg):
 
 def sft_loss(mb: MicroBatch, models: Models, cfg):
     """Negative log-likelihood of the reference tokens at temperature 1, token-mean."""
-    logprobs, entropy = forward(models.policy, mb.packed, logprob_head(mb.packed.targets, 1.0))
+    logprobs, entropy = policy_logprobs(mb, models, cfg, temperature=1.0)
     loss = aggregate(mb, -mb.matrix(logprobs), mb.response_mask, cfg, "token-mean")
     return loss, {"actor/entropy": (entropy.sum().item(), float(entropy.numel()))}
 
@@ -614,7 +625,7 @@ def dpo_loss(mb: MicroBatch, models: Models, cfg):
     off-policy objective (the pairs could come from any sampler), as in TRL's online DPO and
     verl's SPIN recipe; the mismatch is still logged."""
     dp = cfg.dpo
-    logprobs, entropy = forward(models.policy, mb.packed, logprob_head(mb.packed.targets, cfg.rollout.temperature))
+    logprobs, entropy = policy_logprobs(mb, models, cfg)
     policy = sequence_logprobs(mb.matrix(logprobs), mb.per_sequence(lambda r: len(r.response_ids)), cfg)
     reference = None if dp.reference_free else mb.per_sequence(lambda r: r.reference_logprob)
     chosen, rejected = (i.to(mb.device) for i in pair_positions(mb.rollouts))
@@ -727,7 +738,7 @@ def gad_loss(mb: MicroBatch, models: Models, cfg):
     aggregated alike."""
     if not mb.rollouts[0].generated:  # a stage trains on one kind of rollout only
         return sft_loss(mb, models, cfg)
-    logprobs, entropy = forward(models.policy, mb.packed, logprob_head(mb.packed.targets, cfg.rollout.temperature))
+    logprobs, entropy = policy_logprobs(mb, models, cfg)
     surrogate = cfg.gad.policy_loss
     loss, stats = clipped_loss(mb, logprobs, entropy, mb.per_sequence(lambda r: r.advantage), cfg, surrogate)
     if mb.rollouts[0].reference_logprobs is not None:

@@ -198,6 +198,9 @@ class TrainConfig:
     # lengths vary. The gradient is the same (the loss is normalised by the step's counts).
     micro_batch_tokens: int = 0
     share_prompt_prefix: bool = True  # old/reference log-probs: a group's prompt runs once (KV cache reuse)
+    # GRPO/GSPO/DPO/SFT/GAD log-probs from hidden states this many rows of logits at a time, never
+    # [tokens, vocab] (losses.token_logprobs_from_hidden); 0: plain autograd on the full logits
+    head_chunk_size: int = 512
     seed: int = 0
     # Unset (None): the task's recipe, WARM_START_RECIPES (strops 200 steps, 0.7, 0.1; quiz 1000, 0.3, 0.5)
     warm_start_steps: int | None = None  # built-in SFT of the tiny model on the task's references (cached)

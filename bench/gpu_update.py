@@ -97,6 +97,8 @@ def parse_args():
     t.add_argument("--micro-batch", type=int, default=32)
     t.add_argument("--micro-batch-tokens", type=int, default=16384)
     t.add_argument("--sdpo-chunk-size", type=int, default=None, help="--sdpo.chunk_size (default: run.py's)")
+    t.add_argument("--head-chunk-size", type=int, default=None,
+                   help="--train.head_chunk_size (default: run.py's; 0: [N, V] logits)")
     t.add_argument("--teacher-micro-batch", type=int, default=None, help="--sdpo.teacher_micro_batch")
     t.add_argument("--gradient-checkpointing", action="store_true")
     r = p.add_argument_group("measurement")
@@ -295,6 +297,8 @@ def make_cfg(args, algo: str):
     cfg.model.gradient_checkpointing = args.gradient_checkpointing
     if args.sdpo_chunk_size:
         cfg.sdpo.chunk_size = args.sdpo_chunk_size
+    if args.head_chunk_size is not None:
+        cfg.train.head_chunk_size = args.head_chunk_size
     if args.teacher_micro_batch:
         cfg.sdpo.teacher_micro_batch = args.teacher_micro_batch
     return cfg
@@ -406,9 +410,9 @@ def profile_update(args, cfg, objective, trainer, rollouts, pad_id, d: Dist, alg
 
 def ceiling(args, model_dir: str, d: Dist, shapes: dict, pad_id: int, with_head: bool = True) -> dict:
     """The GRPO batch's micro-batches (as run.rank_micro_batches packs them, one rank) through
-    a plain bf16 copy of the model: forward with GRPO's head (objectives.logprob_head: [N, V]
-    float32 logits, log-softmax, entropy), sum of log-probs, backward. No FSDP2, no optimizer,
-    no old log-probs, no loss arithmetic: what the kernels allow. with_head=False: the
+    a plain bf16 copy of the model: forward with GRPO's head (objectives.logprob_head at
+    --head-chunk-size, run.py's by default: log-probs and entropy), sum of log-probs,
+    backward. No FSDP2, no optimizer, no old log-probs, no loss arithmetic: what the kernels allow. with_head=False: the
     decoder alone (the sum of the final hidden states; no LM head, and no head FLOPs)."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
@@ -419,7 +423,8 @@ def ceiling(args, model_dir: str, d: Dist, shapes: dict, pad_id: int, with_head:
     lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
     micro = run.rank_micro_batches([[i] for i in range(len(rollouts))], args.micro_batch, Dist(0, 1, d.device),
                                    lengths, args.micro_batch_tokens)
-    head = (lambda packed: objectives.logprob_head(packed.targets, 1.0)) if with_head else (
+    chunk_size = make_cfg(args, "grpo").train.head_chunk_size
+    head = (lambda packed: objectives.logprob_head(packed.targets, 1.0, chunk_size)) if with_head else (
         lambda packed: lambda hidden, weight: (hidden.float().sum(), None))
     packs = [data.pack([rollouts[i].prompt_ids + rollouts[i].response_ids for i in part],
                        [len(rollouts[i].response_ids) for i in part], pad_id, d.device) for part in micro]

@@ -1,8 +1,10 @@
 """
-Benchmark: forward + backward of the top-K SDPO loss, materialised logits vs chunked.
+Benchmark: forward + backward of the top-K SDPO loss, or of the policy-gradient head
+(--objective logprob: GRPO/GSPO/DPO/SFT's token log-probs), materialised logits vs chunked.
 
     python bench/losses.py                       # CPU, float32, 2,048 tokens (defaults)
     python bench/losses.py --device cuda --tokens 16384 --dtype bfloat16
+    python bench/losses.py --objective logprob   # the head of every other objective
 
 Paths (each run in a fresh subprocess, `--repeats` times, median reported):
   plain     student logits = hidden @ W.T and teacher logits likewise as [N, V] tensors,
@@ -12,6 +14,10 @@ Paths (each run in a fresh subprocess, `--repeats` times, median reported):
             general path: backward re-runs the student head, in vocab blocks).
   weighted  sdpo_topk_loss_from_hidden(..., token_weights=ones), backward (gradients
             computed during forward; no recomputation).
+With --objective logprob (paths plain and chunked): plain is objectives.logprob_head at
+--train.head_chunk_size=0 (float32 [N, V] logits, token_logprobs, entropy of the detached
+logits), chunked is token_logprobs_from_hidden; either's log-probs times fixed random
+advantages, summed, backward.
 Memory: on CPU, the child's peak resident set (getrusage ru_maxrss) minus the same
 counter read right after the inputs (hidden states, both [V, H] heads) were allocated
 and touched, so it is the extra memory of one forward+backward step, gradients (incl.
@@ -34,7 +40,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from losses import sdpo_divergence, sdpo_topk_loss_from_hidden, topk_with_tail  # noqa: E402
+from losses import (entropy_from_logits, sdpo_divergence, sdpo_topk_loss_from_hidden,  # noqa: E402
+                    token_logprobs, token_logprobs_from_hidden, topk_with_tail)
 
 PATHS = ("plain", "chunked", "weighted")
 
@@ -59,12 +66,23 @@ def make_inputs(args, device, dtype, tokens):
     teacher_weight = torch.randn(vocab, hidden, generator=g).mul_(0.002).add_(weight)  # an EMA-like teacher head
     weight = weight.to(device, dtype).requires_grad_(True)
     teacher_weight = teacher_weight.to(device, dtype)
-    return student_hidden, weight, teacher_hidden, teacher_weight
+    targets = torch.randint(0, vocab, (tokens,), generator=g).to(device)
+    advantages = torch.randn(tokens, generator=g).to(device)
+    return student_hidden, weight, teacher_hidden, teacher_weight, targets, advantages
 
 
 def step(path, inputs, args):
-    student_hidden, weight, teacher_hidden, teacher_weight = inputs
-    if path == "plain":
+    student_hidden, weight, teacher_hidden, teacher_weight, targets, advantages = inputs
+    if args.objective == "logprob":
+        if path == "plain":
+            logits = (student_hidden @ weight.T).float()
+            logprobs = token_logprobs(logits, targets, args.temperature)
+            entropy_from_logits(logits.detach(), args.temperature)
+        else:
+            logprobs, _ = token_logprobs_from_hidden(student_hidden, weight, targets, args.temperature,
+                                                     args.chunk_size)
+        loss = (logprobs * advantages).sum()
+    elif path == "plain":
         student_logits = student_hidden @ weight.T
         with torch.no_grad():
             teacher_logits = teacher_hidden @ teacher_weight.T
@@ -111,7 +129,8 @@ def child(args):
 
 def run_child(path, args):
     forwarded = []
-    for name in ("device", "dtype", "tokens", "vocab", "hidden", "k", "alpha", "temperature", "chunk_size"):
+    for name in ("objective", "device", "dtype", "tokens", "vocab", "hidden", "k", "alpha", "temperature",
+                 "chunk_size"):
         forwarded += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     cmd = [sys.executable, os.path.abspath(__file__), "--child", path] + forwarded
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -120,6 +139,7 @@ def run_child(path, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--objective", choices=("sdpo", "logprob"), default="sdpo")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tokens", type=int, default=2048)
@@ -139,8 +159,10 @@ def main():
         return child(args)
 
     paths = args.paths.split(",")
+    if args.objective == "logprob":
+        paths = [p for p in paths if p != "weighted"]  # no weighted mode: the caller's weights are the advantages
     assert "plain" in paths and "chunked" in paths, "the RESULT line compares chunked with plain"
-    print(f"device={args.device} dtype={args.dtype} tokens={args.tokens} vocab={args.vocab} hidden={args.hidden} "
+    print(f"objective={args.objective} device={args.device} dtype={args.dtype} tokens={args.tokens} vocab={args.vocab} hidden={args.hidden} "
           f"k={args.k} alpha={args.alpha} chunk_size={args.chunk_size} repeats={args.repeats} "
           f"threads={torch.get_num_threads()}")
     runs = {path: [] for path in paths}
@@ -165,7 +187,8 @@ def main():
     for path, rs in runs.items():
         print(f"{path} runs: " + ", ".join(f"{r['seconds']:.2f}s/{r['extra_bytes'] / 2**20:.0f}MiB" for r in rs))
     print(f"load average after: {os.getloadavg()[0]:.1f} (other processes on the machine skew wall time)")
-    print(f"RESULT mem_ratio={ratio('chunked', 'extra_bytes'):.3f} time_ratio={ratio('chunked', 'seconds'):.3f}")
+    print(f"RESULT mem_ratio={ratio('chunked', 'extra_bytes'):.3f} time_ratio={ratio('chunked', 'seconds'):.3f} "
+          f"objective={args.objective}")
 
 
 if __name__ == "__main__":

@@ -745,3 +745,78 @@ def test_chunked_with_no_tokens():
     weighted = losses.sdpo_topk_loss_from_hidden(hidden, weight, hidden.detach(), weight.detach(), k=3,
                                                  token_weights=torch.zeros(0))
     assert weighted.item() == 0.0
+
+
+# -----------------------------------------------------------------------------
+# token log-probs with a gradient from hidden states (GRPO/GSPO/DPO/SFT head)
+
+
+def _logprob_loop(hidden, weight, targets, temperature):
+    """Per row, by the formulas with Python floats: log p(target) and the entropy."""
+    logprobs, entropies = [], []
+    for h, t in zip(hidden.tolist(), targets.tolist()):
+        z = [sum(a * b for a, b in zip(h, w)) / temperature for w in weight.tolist()]
+        top = max(z)
+        lse = top + math.log(sum(math.exp(x - top) for x in z))
+        p = [math.exp(x - lse) for x in z]
+        logprobs.append(z[t] - lse)
+        entropies.append(-sum(q * (x - lse) for q, x in zip(p, z)))
+    return logprobs, entropies
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_token_logprobs_from_hidden_match_loop_and_plain_gradients(temperature):
+    hidden, weight = make_hidden(num_tokens=11, hidden=5, vocab=17, seed=31)[:2]
+    targets = torch.randint(0, 17, (11,), generator=torch.Generator().manual_seed(32))
+    grad_output = torch.randn(11, generator=torch.Generator().manual_seed(33))  # the caller's advantages
+    want_logprobs, want_entropies = _logprob_loop(hidden, weight, targets, temperature)
+    plain = losses.token_logprobs(hidden @ weight.T, targets, temperature)
+    want_grads = torch.autograd.grad((plain * grad_output).sum(), (hidden, weight))
+    for chunk_size in (1, 4, 11, 64):  # 4 does not divide 11
+        logprobs, entropies = losses.token_logprobs_from_hidden(hidden, weight, targets, temperature, chunk_size)
+        assert logprobs.tolist() == pytest.approx(want_logprobs, abs=1e-10)
+        assert entropies.tolist() == pytest.approx(want_entropies, abs=1e-10)
+        assert not entropies.requires_grad
+        grads = torch.autograd.grad((logprobs * grad_output).sum(), (hidden, weight))
+        for got, want in zip(grads, want_grads):
+            assert_close_scaled(got, want)
+
+
+def test_token_logprobs_from_hidden_gradcheck():
+    hidden, weight = make_hidden(num_tokens=5, hidden=3, vocab=9, seed=34)[:2]
+    targets = torch.tensor([0, 8, 3, 3, 5])
+    assert torch.autograd.gradcheck(
+        lambda h, w: losses.token_logprobs_from_hidden(h, w, targets, 0.8, chunk_size=2)[0], (hidden, weight))
+
+
+def test_token_logprobs_from_hidden_peaked_rows_and_no_tokens():
+    # a row whose softmax is one-hot in float64 has entropy 0 and log p 0 (no 0 * log 0 NaN)
+    hidden = torch.tensor([[1000.0, 0.0], [0.0, 0.0]], requires_grad=True)
+    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]], requires_grad=True)
+    logprobs, entropies = losses.token_logprobs_from_hidden(hidden, weight, torch.tensor([0, 2]))
+    assert logprobs.tolist() == pytest.approx([0.0, -math.log(3)])
+    assert entropies.tolist() == pytest.approx([0.0, math.log(3)])
+    logprobs.sum().backward()
+    assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
+    empty = torch.zeros(0, 2, requires_grad=True)
+    logprobs, entropies = losses.token_logprobs_from_hidden(empty, weight, torch.zeros(0, dtype=torch.long))
+    assert logprobs.shape == entropies.shape == (0,)
+    logprobs.sum().backward()
+    assert empty.grad.shape == (0, 2)
+
+
+def test_token_logprobs_from_hidden_bfloat16_matches_plain_upcast():
+    hidden, weight = (x.detach().to(torch.bfloat16).requires_grad_(True)
+                      for x in make_hidden(num_tokens=9, hidden=16, vocab=64, seed=35)[:2])
+    targets = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(36))
+    logprobs, _ = losses.token_logprobs_from_hidden(hidden, weight, targets, chunk_size=4)
+    assert logprobs.dtype == torch.float32
+    logprobs.sum().backward()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+    h, w = (x.detach().clone().requires_grad_(True) for x in (hidden, weight))
+    expected = losses.token_logprobs((h @ w.T).float(), targets)
+    expected.sum().backward()
+    torch.testing.assert_close(logprobs, expected, rtol=1e-5, atol=1e-5)
+    for got, want in ((hidden.grad, h.grad), (weight.grad, w.grad)):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02 * scale)
