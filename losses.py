@@ -868,4 +868,7 @@ def token_logprobs_from_hidden(hidden, weight, targets, temperature=1.0, chunk_s
     float32 [N, V] logits (and builds their [N, V] gradient): 4 N V bytes, 1.2 GB for
     2,048 tokens of a 152k vocabulary, where this keeps two [chunk_size, V] buffers.
     """
+    if chunk_size < 1:
+        raise ValueError(f"token_logprobs_from_hidden: chunk_size must be >= 1, got {chunk_size} "
+                         "(--train.head_chunk_size: 0 for the plain path, else rows per chunk)")
     return _TokenLogprobsFromHidden.apply(hidden, weight, targets, temperature, chunk_size)

@@ -803,6 +803,8 @@ def test_token_logprobs_from_hidden_peaked_rows_and_no_tokens():
     assert logprobs.shape == entropies.shape == (0,)
     logprobs.sum().backward()
     assert empty.grad.shape == (0, 2)
+    with pytest.raises(ValueError, match="head_chunk_size"):
+        losses.token_logprobs_from_hidden(hidden, weight, torch.tensor([0, 2]), chunk_size=-1)
 
 
 def test_token_logprobs_from_hidden_bfloat16_matches_plain_upcast():
