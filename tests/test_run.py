@@ -397,13 +397,29 @@ def test_samples_log_holds_one_sample_per_prompt_with_reward_and_feedback(tokeni
 def test_a_teacher_flatter_than_its_student_is_warned_once(tmp_path, capsys):
     cfg = run.parse_config([f"--log.out_dir={tmp_path}", "--log.wandb_mode=disabled"])
     logger = run.Logger(cfg, 0)
-    logger.log(1, {run.FLAT_TEACHER_METRIC: run.FLAT_TEACHER_NATS - 0.01})  # a sharper or equal teacher: quiet
+    logger.log(1, {run.FLAT_TEACHER_METRIC: run.FLAT_TEACHER_NATS - 0.01})  # one step just below: quiet
     assert "WARNING" not in capsys.readouterr().err
     logger.log(2, {run.FLAT_TEACHER_METRIC: 0.2})
     logger.log(3, {run.FLAT_TEACHER_METRIC: 0.3})
     logger.close()
     err = capsys.readouterr().err
     assert err.count("WARNING") == 1 and f"step 2: {run.FLAT_TEACHER_METRIC}=+0.200" in err
+
+
+def test_a_slightly_flatter_teacher_is_warned_when_it_stays_so(tmp_path, capsys):
+    """The quiz near its ceiling: +0.003..+0.035 at every step, and SDPO lost 8 points."""
+    cfg = run.parse_config([f"--log.out_dir={tmp_path}", "--log.wandb_mode=disabled"])
+    logger = run.Logger(cfg, 0)
+    # the default strops job's steps: all negative, one close to 0; then a window whose mean is -0.002
+    for step, gap in enumerate([-0.129, -0.009, -0.04, -0.069, -0.1, 0.03, 0.03, 0.03, -0.07, -0.03], start=1):
+        logger.log(step, {run.FLAT_TEACHER_METRIC: gap})
+    assert "WARNING" not in capsys.readouterr().err
+    for step, gap in enumerate([0.022, 0.026, 0.026, 0.023, 0.02, 0.03], start=11):
+        logger.log(step, {run.FLAT_TEACHER_METRIC: gap})
+    logger.close()
+    err = capsys.readouterr().err
+    # steps 10-14 (-0.03 and four positive steps) average +0.013: the first window above 0
+    assert err.count("WARNING") == 1 and "step 14:" in err and "average over the last 5 steps" in err
 
 
 def test_data_file_split_is_announced_and_an_empty_split_is_an_error(tmp_path, capsys):
