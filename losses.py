@@ -63,17 +63,11 @@ def logprobs_and_entropy_from_hidden(hidden, weight, targets, temperature=1.0, c
 
         logits = hidden @ weight.T;  (token_logprobs(logits, targets), entropy_from_logits(logits))
 
-    hidden [N, H], weight [V, H], targets [N] -> ([N], [N]) float32.
+    hidden [N, H], weight [V, H], targets [N] -> ([N], [N]) float32. The forward pass of
+    token_logprobs_from_hidden (below), without its graph.
     """
-    logprobs, entropies = [], []
-    for i in range(0, hidden.shape[0], chunk):
-        logits = (hidden[i:i + chunk] @ weight.T).float()
-        logprobs.append(token_logprobs(logits, targets[i:i + chunk], temperature))
-        entropies.append(entropy_from_logits(logits, temperature))
-    if not logprobs:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty
-    return torch.cat(logprobs), torch.cat(entropies)
+    logprobs, entropies = token_logprobs_from_hidden(hidden, weight, targets, temperature, chunk)
+    return logprobs.float(), entropies.float()
 
 
 # -----------------------------------------------------------------------------

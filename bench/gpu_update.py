@@ -412,8 +412,9 @@ def ceiling(args, model_dir: str, d: Dist, shapes: dict, pad_id: int, with_head:
     """The GRPO batch's micro-batches (as run.rank_micro_batches packs them, one rank) through
     a plain bf16 copy of the model: forward with GRPO's head (objectives.logprob_head at
     --head-chunk-size, run.py's by default: log-probs and entropy), sum of log-probs,
-    backward. No FSDP2, no optimizer, no old log-probs, no loss arithmetic: what the kernels allow. with_head=False: the
-    decoder alone (the sum of the final hidden states; no LM head, and no head FLOPs)."""
+    backward. No FSDP2, no optimizer, no old log-probs, no loss arithmetic: what the kernels
+    allow. with_head=False: the decoder alone (the sum of the final hidden states; no LM
+    head, and no head FLOPs)."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     if args.gradient_checkpointing:

@@ -162,9 +162,9 @@ def main():
     if args.objective == "logprob":
         paths = [p for p in paths if p != "weighted"]  # no weighted mode: the caller's weights are the advantages
     assert "plain" in paths and "chunked" in paths, "the RESULT line compares chunked with plain"
-    print(f"objective={args.objective} device={args.device} dtype={args.dtype} tokens={args.tokens} vocab={args.vocab} hidden={args.hidden} "
-          f"k={args.k} alpha={args.alpha} chunk_size={args.chunk_size} repeats={args.repeats} "
-          f"threads={torch.get_num_threads()}")
+    print(f"objective={args.objective} device={args.device} dtype={args.dtype} tokens={args.tokens} "
+          f"vocab={args.vocab} hidden={args.hidden} k={args.k} alpha={args.alpha} chunk_size={args.chunk_size} "
+          f"repeats={args.repeats} threads={torch.get_num_threads()}")
     runs = {path: [] for path in paths}
     for _ in range(args.repeats):  # interleaved, so that machine load drifts hit every path alike
         for path in paths:
