@@ -620,6 +620,40 @@ def test_teacher_gap_scores_the_model_shown_a_demonstration_and_feedback(tokeniz
     assert all("feedback from your unsuccessful earlier attempt" in p and "Expected:" in p for p in feedback_prompts)
 
 
+def test_teacher_gap_warns_where_a_context_adds_nothing_or_is_flatter():
+    """The measured cases (README): the default quiz warns of nothing; near its ceiling both
+    contexts score below the bare student; SmolLM2's feedback teacher is worse and flatter."""
+    default_quiz = {"eval/success_rate": 0.387, "eval/success_stderr": 0.03, "eval/success_rate_with_demonstration": 0.994,
+                    "eval/success_rate_with_feedback": 0.658, "eval/teacher_minus_student_entropy": -0.070}
+    assert run.teacher_gap_warnings(default_quiz) == []
+    near_ceiling = {"eval/success_rate": 0.879, "eval/success_stderr": 0.02, "eval/success_rate_with_demonstration": 0.676,
+                    "eval/success_rate_with_feedback": 0.795, "eval/teacher_minus_student_entropy": 0.021}
+    got = run.teacher_gap_warnings(near_ceiling)
+    assert len(got) == 3 and "shown a demonstration solves 67.6%" in got[0] and "bare student's 87.9%" in got[0]
+    assert "shown a feedback solves 79.5%" in got[1] and "+0.021 nats" in got[2]
+    # within two standard errors above the bare student is no better than it
+    within = dict(default_quiz, **{"eval/success_rate_with_feedback": 0.387 + 0.059})
+    assert len(run.teacher_gap_warnings(within)) == 1
+    assert run.teacher_gap_warnings(dict(within, **{"eval/success_rate_with_feedback": 0.387 + 0.061})) == []
+    assert run.teacher_gap_warnings({"eval/success_rate": 0.3}) == []  # no --teacher_gap: nothing to judge
+
+
+def test_eval_only_teacher_gap_prints_its_warnings_and_logs_the_gap(tiny_dir, tokenizer, tmp_path, capsys):
+    """The engine copies a shown demonstration and otherwise fails: the feedback context adds
+    nothing (0% against the bare 0%), which --eval_only --teacher_gap says on stderr."""
+    cfg = run.parse_config([f"--log.out_dir={tmp_path}", "--log.wandb_mode=disabled", "--rollout.eval_k=2",
+                            "--rollout.n=2", "--teacher_gap=True"])
+    logger = run.Logger(cfg, 0)
+    got = run.evaluate_only(cfg, tiny_dir, CopyingEngine(tokenizer), tokenizer, data.task_rows("strops", "test", 4),
+                            logger, ONE_PROCESS)
+    logger.close()
+    assert (got["eval/success_rate"], got["eval/success_rate_with_demonstration"]) == (0.0, 1.0)
+    err = capsys.readouterr().err
+    assert "WARNING: the model shown a feedback solves 0.0%" in err and "shown a demonstration" not in err
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert json.loads(f.readline())["eval/success_rate_with_feedback"] == 0.0
+
+
 def test_context_entropies_match_a_plain_forward(tiny_dir, tokenizer):
     """Student and teacher entropies and log-probs on the model's samples, against the HF
     model's full logits at each response position, computed here sequence by sequence."""
