@@ -1,6 +1,7 @@
 """Sample efficiency: SDPO, GRPO (and DPO, ...) at equal generation budgets, several seeds.
 
-    python bench/learning.py [--tasks quiz,strops,arith] [--algos grpo,sdpo,dpo] [--seeds 3] [--steps 80] [--eval_every 10]
+    python bench/learning.py [--tasks quiz,strops,arith] [--algos grpo,sdpo,dpo] [--seeds 3] [--first_seed 0]
+                             [--steps 80] [--eval_every 10]
                              [--out runs/bench-learning] [--launcher "torchrun --nproc_per_node=4"]
                              [extra run.py flags, e.g. --model.path=/models/qwen3-8b --data.quiz_max=12]
 
@@ -156,6 +157,8 @@ def main():
     # the quiz: the task whose feedback tells the teacher what the prompt does not (README: Does it work?)
     parser.add_argument("--tasks", default="quiz")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first_seed", type=int, default=0, help="seeds first_seed .. first_seed+seeds-1: new "
+                        "seeds for an out-of-sample check without rerunning the ones a setting was chosen on")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--eval_every", type=int, default=10)
     parser.add_argument("--out", default="runs/bench-learning")
@@ -188,7 +191,7 @@ def main():
         curves, records_of = {}, {}
         for algo in algos:
             curves[algo], records_of[algo] = [], []
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 flags = task_flags + [f"--model.path={start}", f"--algo={algo}", f"--train.seed={seed}",
                                       f"--train.steps={args.steps}", f"--train.eval_every={args.eval_every}"]
                 t0 = time.time()
