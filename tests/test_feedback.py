@@ -357,3 +357,25 @@ def test_get_reward_fn_broken_file(tmp_path):
     bad.write_text("def f(:\n")
     with pytest.raises(ValueError, match=r"cannot import reward function .*bad\.py:f.*SyntaxError"):
         get_reward_fn(f"{bad}:f")
+
+
+def test_feedback_signal_classes_each_token_of_a_quiz_answer(tokenizer):
+    """bench/feedback_signal.py's token classes, against a hand-worked answer: a line marked
+    wrong ("a:11*3=34": the decisive token is the 4, where the correct result has a 3), a right
+    line, and a wrong line whose first result character is already wrong."""
+    import os
+    import sys
+    sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from feedback_signal import token_classes
+    row = {"tests": [{"input": "a:11*3", "output": "33"}, {"input": "b:6*20", "output": "120"},
+                     {"input": "c:6*16", "output": "96"}]}
+    text = "a:11*3=34\nb:6*20=120\nc:6*16=69"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    classes, correct = token_classes(tokenizer, ids, text, row)
+    line_a, line_b, line_c = len("a:11*3=34\n"), len("b:6*20=120\n"), len("c:6*16=69")
+    assert classes == (["wrong line, question"] * 7 + ["wrong line, result"] * 3 + ["right line, question"] * 7
+                       + ["right line, result"] * 4 + ["wrong line, question"] * 7 + ["wrong line, result"] * 2
+                       + ["end"])
+    assert len(ids) == line_a + line_b + line_c + 1  # one token per character, and the end
+    decisive = {k: tokenizer.convert_ids_to_tokens(c) for k, c in enumerate(correct) if c is not None}
+    assert decisive == {8: "3", line_a + line_b + 7: "9"}
