@@ -18,6 +18,7 @@ correct character there, and the teacher-minus-student log-prob of the wrong one
     RESULT feedback_kl_share_right_results=... feedback_kl_share_wrong_results=...
         decisive_p_correct_teacher=... decisive_p_correct_student=... decisive_t_minus_s_logprob=...
 """
+import argparse
 import os
 import sys
 
@@ -50,8 +51,8 @@ def token_classes(tokenizer, response_ids: list[int], text: str, row: dict) -> t
             at = offset - len(question) - 1
             char_correct.append(expected[at] if marked == "wrong" and decisive is not None and at == decisive else None)
     classes, correct_ids = [], []
-    for k in range(len(response_ids) - 1):
-        first, after = len(tokenizer.decode(response_ids[:k])), len(tokenizer.decode(response_ids[:k + 1]))
+    starts = [len(tokenizer.decode(response_ids[:k])) for k in range(len(response_ids))]  # each token's first char
+    for k, (first, after) in enumerate(zip(starts, starts[1:])):
         classes.append(char_class[first])
         correct = char_correct[first] if after == first + 1 else None
         correct_ids.append(tokenizer.convert_tokens_to_ids(correct) if correct is not None else None)
@@ -59,12 +60,10 @@ def token_classes(tokenizer, response_ids: list[int], text: str, row: dict) -> t
 
 
 def main():
-    rows_wanted = 128
-    argv = sys.argv[1:]
-    if "--rows" in argv:
-        i = argv.index("--rows")
-        rows_wanted, argv = int(argv[i + 1]), argv[:i] + argv[i + 2:]
-    flags = ["--data.task=quiz"] + argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=128, help="held-out quizzes to sample")
+    args, extra = parser.parse_known_args()  # the rest are run.py flags
+    flags = ["--data.task=quiz"] + extra
     model_dir = warm_start(flags)
     cfg = run.parse_config(flags)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -75,7 +74,7 @@ def main():
     totals = {}  # class -> [tokens, sum KL(T || S), sum of T - S log-prob]
     decisive = []  # (p_teacher(correct), p_student(correct), T - S log-prob of the sampled wrong char)
     sampled = scored = 0
-    for row in data.task_rows("quiz", "test", rows_wanted, cfg=cfg.data):
+    for row in data.task_rows("quiz", "test", args.rows, cfg=cfg.data):
         prompt = data.chat_prompt_ids(tokenizer, row["messages"])
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt] * cfg.rollout.n), attention_mask=torch.ones(
