@@ -202,8 +202,14 @@ class TrainConfig:
     # [tokens, vocab] (losses.token_logprobs_from_hidden); 0: plain autograd on the full logits
     head_chunk_size: int = 512
     seed: int = 0
-    # Unset (None): the task's recipe, WARM_START_RECIPES (strops 200 steps, 0.7, 0.1; quiz 1000, 0.3, 0.5)
+    # Unset (None): the task's recipe, WARM_START_RECIPES (strops 200 steps, 0.7, 0.1; quiz 1000, 0.3, 0.5, 0.3)
     warm_start_steps: int | None = None  # built-in SFT of the tiny model on the task's references (cached)
+    # > 0: the warm start ends early, at the first check (every warm_start_check_every steps)
+    # where the bare student's held-out success, estimated without sampling
+    # (run.reference_success), reaches this. A step count alone lands where float rounding
+    # takes 1,000 steps: the quiz's student at 38.7% on one machine and 88.5% on another.
+    warm_start_target: float | None = None
+    warm_start_check_every: int = 10
     warm_start_batch: int = 32
     warm_start_lr: float = 2e-3
     warm_start_seed: int = 0  # one warm start serves every RL seed
@@ -221,6 +227,12 @@ class TrainConfig:
     save_every: int = 0  # torch.distributed.checkpoint every N steps; 0: only the final HF model
     resume: str = ""  # a checkpoint directory written by save_every, or a run's out_dir (its latest one)
     max_nonfinite_steps: int = 3  # consecutive optimizer steps with a NaN/inf loss before stopping
+
+    def __post_init__(self):
+        if self.warm_start_target is not None and not 0 <= self.warm_start_target <= 1:
+            raise ValueError(f"--train.warm_start_target={self.warm_start_target}: a success rate, 0 to 1 (0: off)")
+        if self.warm_start_check_every < 1:
+            raise ValueError(f"--train.warm_start_check_every={self.warm_start_check_every}: must be at least 1")
 
 
 @dataclass
@@ -613,8 +625,8 @@ def stderr(values: list[float]) -> float:
 # that can compute most lines never needs to copy the ones the feedback marks right, so the
 # copying forms only with half the examples feedback contexts and lines it cannot all compute
 # (--data.quiz_max 20), in ~1000 steps (README: Does it work?).
-WARM_START_RECIPES = {"strops": (200, 0.7, 0.1), "quiz": (1000, 0.3, 0.5)}
-DEFAULT_WARM_START = (300, 0.7, 0.1)
+WARM_START_RECIPES = {"strops": (200, 0.7, 0.1, 0.0), "quiz": (1000, 0.3, 0.5, 0.3)}
+DEFAULT_WARM_START = (300, 0.7, 0.1, 0.0)
 # The RL learning rate per task where --optim.lr is unset. quiz: the lines its warm start
 # memorised are fragile under Adam steps of 1e-4 (GRPO fell from 19-20% to 4-11% held-out in 40
 # steps on three seeds, SDPO from 20% to 16% in 10); at 3e-5 SDPO gains (README: Does it work?).
@@ -622,11 +634,35 @@ RL_LRS = {"quiz": 3e-5}
 DEFAULT_RL_LR = 1e-4
 
 
-def warm_start_recipe(cfg: Config) -> tuple[int, float, float]:
-    """(steps, demo_frac, feedback_frac) of --train.warm_start_*, the task's recipe where unset."""
-    given = (cfg.train.warm_start_steps, cfg.train.warm_start_demo_frac, cfg.train.warm_start_feedback_frac)
+def warm_start_recipe(cfg: Config) -> tuple[int, float, float, float]:
+    """(steps, demo_frac, feedback_frac, target) of --train.warm_start_*, the task's recipe where unset."""
+    given = (cfg.train.warm_start_steps, cfg.train.warm_start_demo_frac, cfg.train.warm_start_feedback_frac,
+             cfg.train.warm_start_target)
     recipe = WARM_START_RECIPES.get(cfg.data.task, DEFAULT_WARM_START)
     return tuple(r if g is None else g for g, r in zip(given, recipe))
+
+
+def warm_start_check_rows(cfg: Config) -> list[dict]:
+    """The held-out rows the warm start's target is checked on: 256 after the first 2,048 (the
+    most any evaluation here reads), so that the stopping point is not chosen on the rows that
+    then measure the RL run; they overlap only at a difficulty with fewer distinct rows."""
+    return data.task_rows(cfg.data.task, "test", 2048 + 256, cfg=cfg.data, at_most=True)[-256:]
+
+
+def reference_success(cfg: Config, policy, tokenizer, rows: list[dict], d: Dist) -> float:
+    """The bare student's expected success on rows, without sampling: the mean over rows of the
+    probability that sampling at --rollout.eval_temperature writes the reference exactly,
+    exp(sum_t log softmax(z_t / T)[reference_t]), EOS included. A lower bound where other
+    texts also pass (a result written with other whitespace); on the quiz it tracks the
+    sampled success (README: Does it work?). Every rank runs it (FSDP2's collectives)."""
+    rollouts = [Rollout(row=row, prompt_ids=data.chat_prompt_ids(tokenizer, row["messages"], cfg.data.max_prompt_len),
+                        response_ids=data.reference_response_ids(tokenizer, row, tokenizer.eos_token_id,
+                                                                 "--train.warm_start_target"),
+                        rollout_logprobs=[], text=row["reference"], truncated=False, generated=False)
+                for row in rows]
+    logprobs = objectives.response_logprobs(policy, rollouts, pad_token_id(tokenizer), d, cfg.train.micro_batch,
+                                            cfg.rollout.eval_temperature)
+    return sum(math.exp(sum(values)) for values in logprobs) / max(len(logprobs), 1)
 
 
 def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
@@ -636,7 +672,7 @@ def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
     reference shown as the correct solution, or the feedback on a wrong attempt.
     """
     rng = random.Random(stream_seed("references", cfg.train.seed, step))
-    _, demo_frac, feedback_frac = warm_start_recipe(cfg)
+    _, demo_frac, feedback_frac, _ = warm_start_recipe(cfg)
     out = []
     for row in rows:
         response = data.reference_response_ids(tokenizer, row, tokenizer.eos_token_id, "--algo sft")
@@ -1087,6 +1123,8 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
 
         batches = Batches(cfg, objective, engine, tokenizer, train_rows, d, ahead)
         progress = logger.progress(start_step, cfg.train.steps)
+        target = cfg.train.warm_start_target if objective.references and cfg.data.task in data.TASKS else 0
+        check_rows = warm_start_check_rows(cfg) if target else []
         for step in range(start_step, cfg.train.steps):
             t_step = time.perf_counter()
             # 1-4. sample prompts; generate, score, write what the objective needs (advantages, teacher
@@ -1102,6 +1140,9 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             # 8. evaluate, log, checkpoint
             if evaluate_now(step + 1):
                 metrics.update(rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, first_eval))[0])
+            if check_rows and (step + 1) % cfg.train.warm_start_check_every == 0:
+                metrics["warm_start/reference_success"] = reference_success(
+                    cfg, trainer.models.policy, tokenizer, check_rows, d)
             logger.log(step + 1, metrics)
             if generates:
                 logger.log_samples(step + 1, rollouts)
@@ -1109,6 +1150,12 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
                 save_checkpoint(os.path.join(cfg.log.out_dir, f"checkpoint-{step + 1}"), trainer, step + 1,
                                 batches.next_batch(), d, first_eval)
+            if metrics.get("warm_start/reference_success", 0.0) >= target > 0:
+                if d.rank == 0:
+                    print(f"warm start: the student's estimated held-out success "
+                          f"{metrics['warm_start/reference_success']:.3f} reached --train.warm_start_target={target} "
+                          f"at step {step + 1}; stopping there")
+                break
         progress.close()
         save_hf(os.path.join(cfg.log.out_dir, "final"), trainer.models.policy, tokenizer, d)
         return metrics
@@ -1608,7 +1655,7 @@ def resolve_model(cfg: Config, d: Dist) -> str:
         tiny = rank0_call(d, lambda: data.tiny_vlm_dir(data.TinyVLMConfig(**dataclasses.asdict(cfg.model.tiny))))
     else:
         tiny = rank0_call(d, lambda: data.tiny_model_dir(cfg.model.tiny))
-    steps, demo_frac, feedback_frac = warm_start_recipe(cfg)
+    steps, demo_frac, feedback_frac, target = warm_start_recipe(cfg)
     if not steps or objectives.OBJECTIVES[cfg.algo.name].references:
         return tiny
     # The warm start is `--algo sft` with the train.warm_start_* values, one optimizer step per
@@ -1621,7 +1668,8 @@ def resolve_model(cfg: Config, d: Dist) -> str:
                       **{f.name: getattr(cfg.train, f.name) for f in dataclasses.fields(TrainConfig)
                          if f.name.startswith("warm_start")})
     # the resolved values: the cache key of an unset flag is its task's recipe
-    warm_train.update(warm_start_steps=steps, warm_start_demo_frac=demo_frac, warm_start_feedback_frac=feedback_frac)
+    warm_train.update(warm_start_steps=steps, warm_start_demo_frac=demo_frac, warm_start_feedback_frac=feedback_frac,
+                      warm_start_target=target)
     warm = dataclasses.replace(
         cfg, algo=AlgoConfig(name="sft"), rollout=RolloutConfig(),
         # decayed to 0: the warm start's last weights are all that is kept
@@ -1634,7 +1682,10 @@ def resolve_model(cfg: Config, d: Dist) -> str:
     # --optim.eps is RL-only (the warm start keeps AdamW's default), and out of the key, which
     # predates the flag
     warm_optim = {k: v for k, v in dataclasses.asdict(warm.optim).items() if k != "eps"}
-    recipe = json.dumps([tiny, templates, train_data, warm_train, warm_optim], sort_keys=True)
+    # without a target, out of the key, which predates the flags (a strops warm start keeps its cache)
+    warm_key = {k: v for k, v in warm_train.items()
+                if target or k not in ("warm_start_target", "warm_start_check_every")}
+    recipe = json.dumps([tiny, templates, train_data, warm_key, warm_optim], sort_keys=True)
     import hashlib
     path = tiny + "-sft-" + hashlib.sha1(recipe.encode()).hexdigest()[:10]
     if not os.path.exists(os.path.join(path, "final", "config.json")):

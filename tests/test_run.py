@@ -765,18 +765,71 @@ def test_warm_start_recipe_is_the_tasks_where_a_flag_is_unset(warm_start_calls, 
     of an unset flag is that of the flag set to the recipe's value."""
     calls = warm_start_calls
     recipe = lambda flags: run.warm_start_recipe(run.parse_config(flags))
-    assert recipe([]) == (200, 0.7, 0.1) and recipe(["--data.task=arith"]) == (300, 0.7, 0.1)
-    assert recipe(["--data.task=quiz"]) == (1000, 0.3, 0.5)
-    assert recipe(["--data.task=quiz", "--train.warm_start_demo_frac=0.0"]) == (1000, 0.0, 0.5)
+    assert recipe([]) == (200, 0.7, 0.1, 0.0) and recipe(["--data.task=arith"]) == (300, 0.7, 0.1, 0.0)
+    assert recipe(["--data.task=quiz"]) == (1000, 0.3, 0.5, 0.3)
+    assert recipe(["--data.task=quiz", "--train.warm_start_demo_frac=0.0"]) == (1000, 0.0, 0.5, 0.3)
     quiz = run.resolve_model(run.parse_config(["--data.task=quiz"]), ONE_PROCESS)
     warm = calls[0]
-    assert (warm.train.steps, warm.train.warm_start_demo_frac, warm.train.warm_start_feedback_frac) == (1000, 0.3, 0.5)
+    assert (warm.train.steps, warm.train.warm_start_demo_frac, warm.train.warm_start_feedback_frac,
+            warm.train.warm_start_target) == (1000, 0.3, 0.5, 0.3)
     explicit = ["--data.task=quiz", "--train.warm_start_steps=1000", "--train.warm_start_demo_frac=0.3",
-                "--train.warm_start_feedback_frac=0.5"]
+                "--train.warm_start_feedback_frac=0.5", "--train.warm_start_target=0.3"]
     assert run.resolve_model(run.parse_config(explicit), ONE_PROCESS) == quiz and len(calls) == 1
+    run.resolve_model(run.parse_config(["--data.task=quiz", "--train.warm_start_target=0"]), ONE_PROCESS)
+    assert calls[1].train.warm_start_target == 0 and len(calls) == 2  # the full 1,000 steps: another warm start
     strops = run.resolve_model(run.parse_config(["--train.warm_start_steps=300"]), ONE_PROCESS)
-    assert strops != quiz and calls[1].train.steps == 300 and len(calls) == 2
+    assert strops != quiz and calls[2].train.steps == 300 and len(calls) == 3
     assert run.resolve_model(run.parse_config(["--train.warm_start_steps=0"]), ONE_PROCESS) == str(tmp_path / "tiny")
+
+
+def test_reference_success_is_the_probability_of_sampling_the_reference(tiny_dir, tokenizer):
+    """run.reference_success against a slow loop over rows with the HF model: the mean of
+    prod_t softmax(logits_t / T)[reference_t] at the evaluation temperature, EOS included."""
+    from transformers import AutoModelForCausalLM
+    cfg = run.parse_config(["--data.task=quiz", "--rollout.eval_temperature=0.6"])
+    # one- and two-token references: an untrained model gives them a probability far from 0
+    rows = [{**row, "reference": text} for row, text in zip(data.task_rows("quiz", "test", 3), ["1", "a:2", "="])]
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    expected = []
+    for row in rows:
+        prompt = data.chat_prompt_ids(tokenizer, row["messages"])
+        reference = tokenizer(row["reference"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + reference])).logits[0, len(prompt) - 1:-1]
+        logprob = sum((logits[t] / 0.6).log_softmax(-1)[token].item() for t, token in enumerate(reference))
+        expected.append(torch.tensor(logprob).exp().item())
+    policy = run.load_policy(tiny_dir, cfg, 1, CPU)
+    got = run.reference_success(cfg, policy, tokenizer, rows, ONE_PROCESS)
+    assert 0 < got < 1 and got == pytest.approx(sum(expected) / 3, rel=1e-4)
+    hotter = run.parse_config(["--data.task=quiz", "--rollout.eval_temperature=1.0"])
+    assert run.reference_success(hotter, policy, tokenizer, rows, ONE_PROCESS) != pytest.approx(got, rel=1e-2)
+
+
+def test_warm_start_stops_at_the_first_check_that_reaches_its_target(tiny_dir, tmp_path, monkeypatch):
+    """An SFT run with --train.warm_start_target ends at the first check (every
+    --train.warm_start_check_every steps) whose estimate reaches it, logs each estimate, and
+    saves the weights of that step; the checks read held-out rows past the first 2,048."""
+    estimates, seen = iter([0.10, 0.29, 0.30, 0.90]), []
+
+    def fake_estimate(cfg, policy, tokenizer, rows, d):
+        seen.append(rows)
+        return next(estimates)
+
+    monkeypatch.setattr(run, "reference_success", fake_estimate)
+    out = str(tmp_path / "warm")
+    cfg = run.parse_config(["--algo=sft", "--data.task=quiz", "--train.steps=20", "--train.prompts_per_step=2",
+                            "--train.mini_batches=1", "--train.warm_start_target=0.3", "--train.warm_start_check_every=2",
+                            "--data.train_rows=16",
+                            "--log.wandb_mode=disabled", "--log.progress=False", f"--log.out_dir={out}"])
+    run.train(cfg, tiny_dir, ONE_PROCESS)
+    records = _metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r.get("warm_start/reference_success") for r in records] == [None, 0.10, None, 0.29, None, 0.30]
+    assert os.path.exists(os.path.join(out, "final", "model.safetensors"))
+    evaluated = {row["uid"] for row in data.task_rows("quiz", "test", 2048, cfg=cfg.data)}
+    assert len(seen[0]) == 256 and not evaluated & {row["uid"] for row in seen[0]}
+    with pytest.raises(ValueError, match="warm_start_target=1.5: a success rate"):
+        run.TrainConfig(warm_start_target=1.5)
 
 
 def test_rl_learning_rate_is_the_tasks_where_the_flag_is_unset():
