@@ -210,6 +210,10 @@ class TrainConfig:
     # takes 1,000 steps: the quiz's student at 38.7% on one machine and 88.5% on another.
     warm_start_target: float | None = None
     warm_start_check_every: int = 10
+    # The first this many warm-start steps show every prompt as a teacher context (the shares
+    # above, rescaled to sum to 1): copying what a context shows forms before the facts are
+    # learnt, instead of in a race with them (quiz: README, Does it work?)
+    warm_start_context_steps: int | None = None
     warm_start_batch: int = 32
     warm_start_lr: float = 2e-3
     warm_start_seed: int = 0  # one warm start serves every RL seed
@@ -231,6 +235,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.warm_start_target is not None and not 0 <= self.warm_start_target <= 1:
             raise ValueError(f"--train.warm_start_target={self.warm_start_target}: a success rate, 0 to 1 (0: off)")
+        if self.warm_start_context_steps is not None and self.warm_start_context_steps < 0:
+            raise ValueError(f"--train.warm_start_context_steps={self.warm_start_context_steps}: must be >= 0")
         if self.warm_start_check_every < 1:
             raise ValueError(f"--train.warm_start_check_every={self.warm_start_check_every}: must be at least 1")
 
@@ -618,15 +624,17 @@ def stderr(values: list[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
 
 
-# The tiny model's warm start per task: (SFT steps, demonstration share, feedback share).
+# The tiny model's warm start per task: (SFT steps, demonstration share, feedback share, target).
 # strops: induction-style copying of a shown solution forms after ~100-150 mostly-demonstration
 # steps; at 200 the bare student is at ~29% and the demonstration teacher at ~98%, with room
 # for 40 RL steps to gain (at 300: 33%, and 40 SDPO steps gained 0.2-2 points). quiz: a model
 # that can compute most lines never needs to copy the ones the feedback marks right, so the
 # copying forms only with half the examples feedback contexts and lines it cannot all compute
-# (--data.quiz_max 20), in ~1000 steps (README: Does it work?).
-WARM_START_RECIPES = {"strops": (200, 0.7, 0.1, 0.0), "quiz": (1000, 0.3, 0.5, 0.3)}
-DEFAULT_WARM_START = (300, 0.7, 0.1, 0.0)
+# (--data.quiz_max 20). Its success then climbs steeply (estimated 1% at step 550, 32% at 760,
+# 87% at 1,000), so it stops at an estimated 30%, inside the 5-40% band where RL has room and
+# a teacher has something to add (README: Does it work?).
+WARM_START_RECIPES = {"strops": (200, 0.7, 0.1, 0.0, 0), "quiz": (2000, 0.3, 0.5, 0.3, 300)}
+DEFAULT_WARM_START = (300, 0.7, 0.1, 0.0, 0)
 # The RL learning rate per task where --optim.lr is unset. quiz: the lines its warm start
 # memorised are fragile under Adam steps of 1e-4 (GRPO fell from 19-20% to 4-11% held-out in 40
 # steps on three seeds, SDPO from 20% to 16% in 10); at 3e-5 SDPO gains (README: Does it work?).
@@ -634,10 +642,11 @@ RL_LRS = {"quiz": 3e-5}
 DEFAULT_RL_LR = 1e-4
 
 
-def warm_start_recipe(cfg: Config) -> tuple[int, float, float, float]:
-    """(steps, demo_frac, feedback_frac, target) of --train.warm_start_*, the task's recipe where unset."""
+def warm_start_recipe(cfg: Config) -> tuple[int, float, float, float, int]:
+    """(steps, demo_frac, feedback_frac, target, context_steps) of --train.warm_start_*, the
+    task's recipe where unset."""
     given = (cfg.train.warm_start_steps, cfg.train.warm_start_demo_frac, cfg.train.warm_start_feedback_frac,
-             cfg.train.warm_start_target)
+             cfg.train.warm_start_target, cfg.train.warm_start_context_steps)
     recipe = WARM_START_RECIPES.get(cfg.data.task, DEFAULT_WARM_START)
     return tuple(r if g is None else g for g, r in zip(given, recipe))
 
@@ -649,17 +658,19 @@ def warm_start_check_rows(cfg: Config) -> list[dict]:
     return data.task_rows(cfg.data.task, "test", 2048 + 256, cfg=cfg.data, at_most=True)[-256:]
 
 
-def reference_success(cfg: Config, policy, tokenizer, rows: list[dict], d: Dist) -> float:
+def reference_success(cfg: Config, policy, tokenizer, rows: list[dict], d: Dist, prompts: list | None = None) -> float:
     """The bare student's expected success on rows, without sampling: the mean over rows of the
     probability that sampling at --rollout.eval_temperature writes the reference exactly,
     exp(sum_t log softmax(z_t / T)[reference_t]), EOS included. A lower bound where other
     texts also pass (a result written with other whitespace); on the quiz it tracks the
-    sampled success (README: Does it work?). Every rank runs it (FSDP2's collectives)."""
-    rollouts = [Rollout(row=row, prompt_ids=data.chat_prompt_ids(tokenizer, row["messages"], cfg.data.max_prompt_len),
+    sampled success (README: Does it work?). prompts: each row's prompt ids (a teacher
+    context), else its bare prompt. Every rank runs it (FSDP2's collectives)."""
+    prompts = prompts or [data.chat_prompt_ids(tokenizer, row["messages"], cfg.data.max_prompt_len) for row in rows]
+    rollouts = [Rollout(row=row, prompt_ids=prompt,
                         response_ids=data.reference_response_ids(tokenizer, row, tokenizer.eos_token_id,
                                                                  "--train.warm_start_target"),
                         rollout_logprobs=[], text=row["reference"], truncated=False, generated=False)
-                for row in rows]
+                for row, prompt in zip(rows, prompts)]
     logprobs = objectives.response_logprobs(policy, rollouts, pad_token_id(tokenizer), d, cfg.train.micro_batch,
                                             cfg.rollout.eval_temperature)
     return sum(math.exp(sum(values)) for values in logprobs) / max(len(logprobs), 1)
@@ -672,7 +683,9 @@ def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
     reference shown as the correct solution, or the feedback on a wrong attempt.
     """
     rng = random.Random(stream_seed("references", cfg.train.seed, step))
-    _, demo_frac, feedback_frac, _ = warm_start_recipe(cfg)
+    _, demo_frac, feedback_frac, _, context_steps = warm_start_recipe(cfg)
+    if step < context_steps:
+        demo_frac, feedback_frac = demo_frac / (demo_frac + feedback_frac), feedback_frac / (demo_frac + feedback_frac)
     out = []
     for row in rows:
         response = data.reference_response_ids(tokenizer, row, tokenizer.eos_token_id, "--algo sft")
@@ -1125,6 +1138,8 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
         progress = logger.progress(start_step, cfg.train.steps)
         target = cfg.train.warm_start_target if objective.references and cfg.data.task in data.TASKS else 0
         check_rows = warm_start_check_rows(cfg) if target else []
+        # the same rows shown their reference: whether copying a demonstration has formed
+        demonstrations = [teacher_context_ids(tokenizer, row, "demonstration", None, cfg) for row in check_rows]
         for step in range(start_step, cfg.train.steps):
             t_step = time.perf_counter()
             # 1-4. sample prompts; generate, score, write what the objective needs (advantages, teacher
@@ -1143,6 +1158,8 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             if check_rows and (step + 1) % cfg.train.warm_start_check_every == 0:
                 metrics["warm_start/reference_success"] = reference_success(
                     cfg, trainer.models.policy, tokenizer, check_rows, d)
+                metrics["warm_start/reference_success_with_demonstration"] = reference_success(
+                    cfg, trainer.models.policy, tokenizer, check_rows, d, demonstrations)
             logger.log(step + 1, metrics)
             if generates:
                 logger.log_samples(step + 1, rollouts)
@@ -1655,7 +1672,7 @@ def resolve_model(cfg: Config, d: Dist) -> str:
         tiny = rank0_call(d, lambda: data.tiny_vlm_dir(data.TinyVLMConfig(**dataclasses.asdict(cfg.model.tiny))))
     else:
         tiny = rank0_call(d, lambda: data.tiny_model_dir(cfg.model.tiny))
-    steps, demo_frac, feedback_frac, target = warm_start_recipe(cfg)
+    steps, demo_frac, feedback_frac, target, context_steps = warm_start_recipe(cfg)
     if not steps or objectives.OBJECTIVES[cfg.algo.name].references:
         return tiny
     # The warm start is `--algo sft` with the train.warm_start_* values, one optimizer step per
@@ -1669,7 +1686,7 @@ def resolve_model(cfg: Config, d: Dist) -> str:
                          if f.name.startswith("warm_start")})
     # the resolved values: the cache key of an unset flag is its task's recipe
     warm_train.update(warm_start_steps=steps, warm_start_demo_frac=demo_frac, warm_start_feedback_frac=feedback_frac,
-                      warm_start_target=target)
+                      warm_start_target=target, warm_start_context_steps=context_steps)
     warm = dataclasses.replace(
         cfg, algo=AlgoConfig(name="sft"), rollout=RolloutConfig(),
         # decayed to 0: the warm start's last weights are all that is kept
@@ -1685,6 +1702,8 @@ def resolve_model(cfg: Config, d: Dist) -> str:
     # without a target, out of the key, which predates the flags (a strops warm start keeps its cache)
     warm_key = {k: v for k, v in warm_train.items()
                 if target or k not in ("warm_start_target", "warm_start_check_every")}
+    if not context_steps:
+        warm_key.pop("warm_start_context_steps")
     recipe = json.dumps([tiny, templates, train_data, warm_key, warm_optim], sort_keys=True)
     import hashlib
     path = tiny + "-sft-" + hashlib.sha1(recipe.encode()).hexdigest()[:10]

@@ -765,18 +765,19 @@ def test_warm_start_recipe_is_the_tasks_where_a_flag_is_unset(warm_start_calls, 
     of an unset flag is that of the flag set to the recipe's value."""
     calls = warm_start_calls
     recipe = lambda flags: run.warm_start_recipe(run.parse_config(flags))
-    assert recipe([]) == (200, 0.7, 0.1, 0.0) and recipe(["--data.task=arith"]) == (300, 0.7, 0.1, 0.0)
-    assert recipe(["--data.task=quiz"]) == (1000, 0.3, 0.5, 0.3)
-    assert recipe(["--data.task=quiz", "--train.warm_start_demo_frac=0.0"]) == (1000, 0.0, 0.5, 0.3)
+    assert recipe([]) == (200, 0.7, 0.1, 0.0, 0) and recipe(["--data.task=arith"]) == (300, 0.7, 0.1, 0.0, 0)
+    assert recipe(["--data.task=quiz"]) == (2000, 0.3, 0.5, 0.3, 300)
+    assert recipe(["--data.task=quiz", "--train.warm_start_demo_frac=0.0"]) == (2000, 0.0, 0.5, 0.3, 300)
     quiz = run.resolve_model(run.parse_config(["--data.task=quiz"]), ONE_PROCESS)
     warm = calls[0]
     assert (warm.train.steps, warm.train.warm_start_demo_frac, warm.train.warm_start_feedback_frac,
-            warm.train.warm_start_target) == (1000, 0.3, 0.5, 0.3)
-    explicit = ["--data.task=quiz", "--train.warm_start_steps=1000", "--train.warm_start_demo_frac=0.3",
-                "--train.warm_start_feedback_frac=0.5", "--train.warm_start_target=0.3"]
+            warm.train.warm_start_target, warm.train.warm_start_context_steps) == (2000, 0.3, 0.5, 0.3, 300)
+    explicit = ["--data.task=quiz", "--train.warm_start_steps=2000", "--train.warm_start_demo_frac=0.3",
+                "--train.warm_start_feedback_frac=0.5", "--train.warm_start_target=0.3",
+                "--train.warm_start_context_steps=300"]
     assert run.resolve_model(run.parse_config(explicit), ONE_PROCESS) == quiz and len(calls) == 1
     run.resolve_model(run.parse_config(["--data.task=quiz", "--train.warm_start_target=0"]), ONE_PROCESS)
-    assert calls[1].train.warm_start_target == 0 and len(calls) == 2  # the full 1,000 steps: another warm start
+    assert calls[1].train.warm_start_target == 0 and len(calls) == 2  # every step: another warm start
     strops = run.resolve_model(run.parse_config(["--train.warm_start_steps=300"]), ONE_PROCESS)
     assert strops != quiz and calls[2].train.steps == 300 and len(calls) == 3
     assert run.resolve_model(run.parse_config(["--train.warm_start_steps=0"]), ONE_PROCESS) == str(tmp_path / "tiny")
@@ -811,9 +812,13 @@ def test_warm_start_stops_at_the_first_check_that_reaches_its_target(tiny_dir, t
     saves the weights of that step; the checks read held-out rows past the first 2,048."""
     estimates, seen = iter([0.10, 0.29, 0.30, 0.90]), []
 
-    def fake_estimate(cfg, policy, tokenizer, rows, d):
-        seen.append(rows)
-        return next(estimates)
+    def fake_estimate(cfg, policy, tokenizer, rows, d, prompts=None):
+        if prompts is None:  # the bare student's (the target's); the demonstration's is logged beside it
+            seen.append(rows)
+            return next(estimates)
+        assert len(prompts) == len(rows) and all(len(p) > len(data.chat_prompt_ids(tokenizer, r["messages"]))
+                                                  for p, r in zip(prompts, rows))
+        return 1.0
 
     monkeypatch.setattr(run, "reference_success", fake_estimate)
     out = str(tmp_path / "warm")
@@ -825,11 +830,25 @@ def test_warm_start_stops_at_the_first_check_that_reaches_its_target(tiny_dir, t
     records = _metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert [r.get("warm_start/reference_success") for r in records] == [None, 0.10, None, 0.29, None, 0.30]
+    assert [r.get("warm_start/reference_success_with_demonstration") for r in records][1::2] == [1.0] * 3
     assert os.path.exists(os.path.join(out, "final", "model.safetensors"))
     evaluated = {row["uid"] for row in data.task_rows("quiz", "test", 2048, cfg=cfg.data)}
     assert len(seen[0]) == 256 and not evaluated & {row["uid"] for row in seen[0]}
     with pytest.raises(ValueError, match="warm_start_target=1.5: a success rate"):
         run.TrainConfig(warm_start_target=1.5)
+
+
+def test_the_first_context_steps_show_every_prompt_as_a_teacher_context(tokenizer):
+    """--train.warm_start_context_steps: before it, demonstrations and feedback in the recipe's
+    proportions (0.3 : 0.5) and no bare prompt; from it on, the recipe's shares with bare prompts."""
+    cfg = run.parse_config(["--data.task=quiz", "--train.warm_start_context_steps=2"])
+    rows = data.task_rows("quiz", "train", 400)
+    bare = lambda step: sum(r.prompt_ids == data.chat_prompt_ids(tokenizer, r.row["messages"], cfg.data.max_prompt_len)
+                            for r in run.sft_rollouts(tokenizer, rows, cfg, step)) / len(rows)
+    demos = lambda step: sum("Correct solution" in tokenizer.decode(r.prompt_ids)
+                             for r in run.sft_rollouts(tokenizer, rows, cfg, step)) / len(rows)
+    assert bare(0) == bare(1) == 0 and 0.3 < demos(1) < 0.45  # 0.375 expected
+    assert 0.14 < bare(2) < 0.26 and 0.24 < demos(2) < 0.36
 
 
 def test_rl_learning_rate_is_the_tasks_where_the_flag_is_unset():
