@@ -202,12 +202,13 @@ class TrainConfig:
     # [tokens, vocab] (losses.token_logprobs_from_hidden); 0: plain autograd on the full logits
     head_chunk_size: int = 512
     seed: int = 0
-    # Unset (None): the task's recipe, WARM_START_RECIPES (strops 200 steps, 0.7, 0.1; quiz 1000, 0.3, 0.5, 0.3)
+    # Unset (None): the task's recipe, WARM_START_RECIPES (strops 200 steps, 0.7, 0.1; quiz 2000, 0.3, 0.5,
+    # target 0.3, 300 context steps)
     warm_start_steps: int | None = None  # built-in SFT of the tiny model on the task's references (cached)
     # > 0: the warm start ends early, at the first check (every warm_start_check_every steps)
     # where the bare student's held-out success, estimated without sampling
     # (run.reference_success), reaches this. A step count alone lands where float rounding
-    # takes 1,000 steps: the quiz's student at 38.7% on one machine and 88.5% on another.
+    # takes it: 1,000 quiz steps left the student at 38.7% in one build and 88.5% in another.
     warm_start_target: float | None = None
     warm_start_check_every: int = 10
     # The first this many warm-start steps show every prompt as a teacher context (the shares
@@ -624,15 +625,18 @@ def stderr(values: list[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
 
 
-# The tiny model's warm start per task: (SFT steps, demonstration share, feedback share, target).
+# The tiny model's warm start per task: (SFT steps, demonstration share, feedback share, target,
+# context steps).
 # strops: induction-style copying of a shown solution forms after ~100-150 mostly-demonstration
 # steps; at 200 the bare student is at ~29% and the demonstration teacher at ~98%, with room
 # for 40 RL steps to gain (at 300: 33%, and 40 SDPO steps gained 0.2-2 points). quiz: a model
 # that can compute most lines never needs to copy the ones the feedback marks right, so the
 # copying forms only with half the examples feedback contexts and lines it cannot all compute
-# (--data.quiz_max 20). Its success then climbs steeply (estimated 1% at step 550, 32% at 760,
-# 87% at 1,000), so it stops at an estimated 30%, inside the 5-40% band where RL has room and
-# a teacher has something to add (README: Does it work?).
+# (--data.quiz_max 20). The student's success then climbs steeply (in 1,000 steps: estimated 1%
+# at step 550, 32% at 760, 87% at 1,000), so it stops at an estimated 30%, inside the 5-40% band
+# where RL has room; and copying a shown answer would form in the same race (at step 760 the
+# demonstration teacher was at 46%), so its first 300 steps are teacher contexts only: copying
+# forms by step 450 and the target comes at 1,330 (README: Does it work?).
 WARM_START_RECIPES = {"strops": (200, 0.7, 0.1, 0.0, 0), "quiz": (2000, 0.3, 0.5, 0.3, 300)}
 DEFAULT_WARM_START = (300, 0.7, 0.1, 0.0, 0)
 # The RL learning rate per task where --optim.lr is unset. quiz: the lines its warm start
