@@ -1693,7 +1693,7 @@ def resolve_model(cfg: Config, d: Dist) -> str:
                       warm_start_target=target, warm_start_context_steps=context_steps)
     warm = dataclasses.replace(
         cfg, algo=AlgoConfig(name="sft"), rollout=RolloutConfig(),
-        # decayed to 0: the warm start's last weights are all that is kept
+        # decayed towards 0 at its last step (a target may stop it sooner): its last weights are all that is kept
         optim=dataclasses.replace(cfg.optim, lr=cfg.train.warm_start_lr, decay="linear", eps=OptimConfig.eps),
         train=dataclasses.replace(cfg.train, **warm_train), log=dataclasses.replace(cfg.log, wandb_mode="disabled"),
         eval_only=False, ttt_prompts=0)  # those modes are for the RL run, not its warm start
