@@ -662,6 +662,23 @@ def warm_start_check_rows(cfg: Config) -> list[dict]:
     return data.task_rows(cfg.data.task, "test", 2048 + 256, cfg=cfg.data, at_most=True)[-256:]
 
 
+def warm_start_checks(cfg: Config, objective, tokenizer) -> tuple[list, list] | None:
+    """For an SFT run with --train.warm_start_target on a synthetic task: the rows its target is
+    checked on, and the same rows shown their reference (whether copying a demonstration has
+    formed). None otherwise."""
+    if not (objective.references and cfg.train.warm_start_target and cfg.data.task in data.TASKS):
+        return None
+    rows = warm_start_check_rows(cfg)
+    return rows, [teacher_context_ids(tokenizer, row, "demonstration", None, cfg) for row in rows]
+
+
+def warm_start_estimates(cfg: Config, policy, tokenizer, checks: tuple[list, list], d: Dist) -> dict:
+    rows, demonstrations = checks
+    return {"warm_start/reference_success": reference_success(cfg, policy, tokenizer, rows, d),
+            "warm_start/reference_success_with_demonstration":
+                reference_success(cfg, policy, tokenizer, rows, d, demonstrations)}
+
+
 def reference_success(cfg: Config, policy, tokenizer, rows: list[dict], d: Dist, prompts: list | None = None) -> float:
     """The bare student's expected success on rows, without sampling: the mean over rows of the
     probability that sampling at --rollout.eval_temperature writes the reference exactly,
@@ -1140,10 +1157,7 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
 
         batches = Batches(cfg, objective, engine, tokenizer, train_rows, d, ahead)
         progress = logger.progress(start_step, cfg.train.steps)
-        target = cfg.train.warm_start_target if objective.references and cfg.data.task in data.TASKS else 0
-        check_rows = warm_start_check_rows(cfg) if target else []
-        # the same rows shown their reference: whether copying a demonstration has formed
-        demonstrations = [teacher_context_ids(tokenizer, row, "demonstration", None, cfg) for row in check_rows]
+        checks = warm_start_checks(cfg, objective, tokenizer)  # rows and prompts, where a target may stop it
         for step in range(start_step, cfg.train.steps):
             t_step = time.perf_counter()
             # 1-4. sample prompts; generate, score, write what the objective needs (advantages, teacher
@@ -1159,11 +1173,8 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             # 8. evaluate, log, checkpoint
             if evaluate_now(step + 1):
                 metrics.update(rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, first_eval))[0])
-            if check_rows and (step + 1) % cfg.train.warm_start_check_every == 0:
-                metrics["warm_start/reference_success"] = reference_success(
-                    cfg, trainer.models.policy, tokenizer, check_rows, d)
-                metrics["warm_start/reference_success_with_demonstration"] = reference_success(
-                    cfg, trainer.models.policy, tokenizer, check_rows, d, demonstrations)
+            if checks and (step + 1) % cfg.train.warm_start_check_every == 0:
+                metrics.update(warm_start_estimates(cfg, trainer.models.policy, tokenizer, checks, d))
             logger.log(step + 1, metrics)
             if generates:
                 logger.log_samples(step + 1, rollouts)
@@ -1171,11 +1182,11 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
                 save_checkpoint(os.path.join(cfg.log.out_dir, f"checkpoint-{step + 1}"), trainer, step + 1,
                                 batches.next_batch(), d, first_eval)
-            if metrics.get("warm_start/reference_success", 0.0) >= target > 0:
+            if checks and metrics.get("warm_start/reference_success", 0.0) >= cfg.train.warm_start_target:
                 if d.rank == 0:
-                    print(f"warm start: the student's estimated held-out success "
-                          f"{metrics['warm_start/reference_success']:.3f} reached --train.warm_start_target={target} "
-                          f"at step {step + 1}; stopping there")
+                    estimate, target = metrics["warm_start/reference_success"], cfg.train.warm_start_target
+                    print(f"warm start: the student's estimated held-out success {estimate:.3f} reached "
+                          f"--train.warm_start_target={target} at step {step + 1}; stopping there")
                 break
         progress.close()
         save_hf(os.path.join(cfg.log.out_dir, "final"), trainer.models.policy, tokenizer, d)
