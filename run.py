@@ -655,20 +655,15 @@ def warm_start_recipe(cfg: Config) -> tuple[int, float, float, float, int]:
     return tuple(r if g is None else g for g, r in zip(given, recipe))
 
 
-def warm_start_check_rows(cfg: Config) -> list[dict]:
-    """The held-out rows the warm start's target is checked on: 256 after the first 2,048 (the
-    most any evaluation here reads), so that the stopping point is not chosen on the rows that
-    then measure the RL run; they overlap only at a difficulty with fewer distinct rows."""
-    return data.task_rows(cfg.data.task, "test", 2048 + 256, cfg=cfg.data, at_most=True)[-256:]
-
-
 def warm_start_checks(cfg: Config, objective, tokenizer) -> tuple[list, list] | None:
-    """For an SFT run with --train.warm_start_target on a synthetic task: the rows its target is
-    checked on, and the same rows shown their reference (whether copying a demonstration has
-    formed). None otherwise."""
+    """For an SFT run with --train.warm_start_target on a synthetic task: the held-out rows its
+    target is checked on, 256 after the first 2,048 (the most any evaluation here reads, so that
+    the stopping point is not chosen on the rows that then measure the RL run; they overlap
+    only at a difficulty with fewer distinct rows), and the same rows shown their reference
+    (whether copying a demonstration has formed). None otherwise."""
     if not (objective.references and cfg.train.warm_start_target and cfg.data.task in data.TASKS):
         return None
-    rows = warm_start_check_rows(cfg)
+    rows = data.task_rows(cfg.data.task, "test", 2048 + 256, cfg=cfg.data, at_most=True)[-256:]
     return rows, [teacher_context_ids(tokenizer, row, "demonstration", None, cfg) for row in rows]
 
 
