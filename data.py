@@ -24,7 +24,7 @@ import string
 import tempfile
 from dataclasses import dataclass
 
-from feedback.quiz import QUIZ_OPS
+from feedback.quiz import QUIZ_FEEDBACK, QUIZ_OPS
 from feedback.strops import OPS, run_program
 
 # ----------------------------------------------------------------------------------------
@@ -53,6 +53,7 @@ class TaskConfig:
     # learns all 128 and solves every quiz after 600 steps: no group fails, nothing to teach.
     quiz_max: int = 20
     quiz_ops: str = "+*"  # operators drawn from (+ - *)
+    quiz_feedback: str = "marks"  # a wrong line's feedback: "marks" (b:3*4 is wrong.) or "values" (b:3*4 is not 13.)
     heldout_percent: int = 10  # share of the content hash space that is held out
 
 
@@ -178,6 +179,8 @@ def _shapes_row(rng: random.Random, cfg: TaskConfig) -> dict:
 def _quiz_row(rng: random.Random, cfg: TaskConfig) -> dict:
     if not 1 <= cfg.quiz_questions <= 26:
         raise ValueError(f"--data.quiz_questions={cfg.quiz_questions}: questions are labelled a-z, so 1 to 26")
+    if cfg.quiz_feedback not in QUIZ_FEEDBACK:
+        raise ValueError(f"--data.quiz_feedback={cfg.quiz_feedback!r}: choose from {QUIZ_FEEDBACK}")
     questions = []
     for label in string.ascii_lowercase[:cfg.quiz_questions]:
         a, b, op = rng.randint(2, cfg.quiz_max), rng.randint(2, cfg.quiz_max), rng.choice(cfg.quiz_ops)
@@ -192,6 +195,7 @@ def _quiz_row(rng: random.Random, cfg: TaskConfig) -> dict:
         "tests": questions,
         "reference": "\n".join(f"{q['input']}={q['output']}" for q in questions),
         "reward": "quiz",
+        "quiz_feedback": cfg.quiz_feedback,
     }
 
 

@@ -1706,6 +1706,9 @@ def resolve_model(cfg: Config, d: Dist) -> str:
     templates = {k: getattr(cfg.sdpo, k) for k in ("reprompt_template", "solution_template", "feedback_template",
                                                      "max_reprompt_len")}
     train_data = {k: v for k, v in dataclasses.asdict(warm.data).items() if k not in ("eval_rows", "eval_path")}
+    # the wording that predates the flag is out of the key, and so is every other task's: their caches stand
+    if cfg.data.task != "quiz" or cfg.data.quiz_feedback == "values":
+        train_data.pop("quiz_feedback")
     # --optim.eps is RL-only (the warm start keeps AdamW's default), and out of the key, which
     # predates the flag
     warm_optim = {k: v for k, v in dataclasses.asdict(warm.optim).items() if k != "eps"}

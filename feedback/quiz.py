@@ -8,12 +8,14 @@ each line right or wrong, the way a grader points at the faulty steps of a multi
 
     Wrong Answer: 2 of 4 results are wrong.
     a:7+8=15 is right.
-    b:3*4 is not 13.
+    b:3*4 is wrong.
     ...
 
 A model cannot check its own answers, so this is information the prompt does not hold:
 the teacher shown it can keep the answers marked right and needs to redo only the wrong ones.
-It never shows a correct result the reply did not already contain.
+It never shows a correct result the reply did not already contain. `--data.quiz_feedback=values`
+names the wrong result ("b:3*4 is not 13."): more information, which the tiny teacher misuses
+by copying it (README: the decisive token).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ import re
 from feedback import TOTAL_CHARS, Reward, cut, truncated_reward
 
 QUIZ_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+# How a wrong line reads. "values": "b:3*4 is not 13." names the wrong result, which a small
+# teacher copies (README: the quiz's decisive token); "marks": "b:3*4 is wrong." leaves nothing to copy.
+QUIZ_FEEDBACK = ("marks", "values")
 LINE_RESULT = re.compile(r"=\s*([-+]?\d+)\s*\.?\s*$")
 
 
@@ -58,8 +63,12 @@ def quiz_reward(response: str, row: dict, truncated: bool) -> Reward:
     right = [str(r) == t["output"] for r, t in zip(results, tests)]
     if all(right):
         return Reward(1.0)
+    wording = row.get("quiz_feedback", "marks")
+    if wording not in QUIZ_FEEDBACK:
+        raise ValueError(f"row['quiz_feedback']={wording!r}: choose from {QUIZ_FEEDBACK}")
     # A wrong line never reads "question=...": a model copying its right lines must not copy it.
     lines = [f"Wrong Answer: {right.count(False)} of {len(tests)} results are wrong."]
-    lines += [f"{t['input']}={r} is right." if ok else f"{t['input']} is not {r}."
+    lines += [f"{t['input']}={r} is right." if ok else
+              f"{t['input']} is wrong." if wording == "marks" else f"{t['input']} is not {r}."
               for r, t, ok in zip(results, tests, right)]
     return Reward(0.0, cut("\n".join(lines), TOTAL_CHARS))

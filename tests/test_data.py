@@ -434,6 +434,12 @@ def test_quiz_knobs_change_the_rows():
     assert {QUIZ_LINE.match(t["input"]).group(2) for r in wide for t in r["tests"]} == {"*"}
     with pytest.raises(ValueError, match="labelled a-z"):
         data.task_rows("quiz", "train", 1, cfg=TaskConfig(quiz_questions=27))
+    assert {r["quiz_feedback"] for r in default} == {"marks"}
+    values = data.task_rows("quiz", "train", 100, cfg=TaskConfig(quiz_feedback="values"))
+    assert [r["uid"] for r in values] == [r["uid"] for r in default]  # the wording changes no question
+    assert {r["quiz_feedback"] for r in values} == {"values"}
+    with pytest.raises(ValueError, match="--data.quiz_feedback='numbers': choose from"):
+        data.task_rows("quiz", "train", 1, cfg=TaskConfig(quiz_feedback="numbers"))
 
 
 @pytest.mark.parametrize("task", ["arith", "strops", "quiz"])

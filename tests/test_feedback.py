@@ -220,9 +220,15 @@ QUIZ_ROW = {"uid": "q1", "tests": [{"input": "a:7+8", "output": "15"}, {"input":
 
 def test_quiz_reward_marks_each_line():
     assert quiz_reward("a:7+8=15\nb:3*4=12\nc:9-6=3", QUIZ_ROW, False) == Reward(1.0)
+    # the default wording names no wrong result: a small teacher would copy it (README: the decisive token)
     r = quiz_reward("a:7+8=15\nb:3*4=13\nc:9-6=2", QUIZ_ROW, False)
     assert r == Reward(0.0, "Wrong Answer: 2 of 3 results are wrong.\n"
+                            "a:7+8=15 is right.\nb:3*4 is wrong.\nc:9-6 is wrong.")
+    r = quiz_reward("a:7+8=15\nb:3*4=13\nc:9-6=2", {**QUIZ_ROW, "quiz_feedback": "values"}, False)
+    assert r == Reward(0.0, "Wrong Answer: 2 of 3 results are wrong.\n"
                             "a:7+8=15 is right.\nb:3*4 is not 13.\nc:9-6 is not 2.")
+    with pytest.raises(ValueError, match="row\\['quiz_feedback'\\]='numbers': choose from"):
+        quiz_reward("a:7+8=15\nb:3*4=13\nc:9-6=2", {**QUIZ_ROW, "quiz_feedback": "numbers"}, False)
     # only the results count, line by line: a heading, spaces, a final period and a miscopied question do not
     assert quiz_reward("Here:\n7 + 8 = 15\nb:3*5=12.\n 9-6 = 3 ", QUIZ_ROW, False) == Reward(1.0)
     assert quiz_reward("a:7+8=15\nb:3*4=12\nc:9-6=3", QUIZ_ROW, True) == Reward(0.0, TRUNCATION_FEEDBACK)
@@ -249,8 +255,8 @@ def test_quiz_parse_results():
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 30), st.sampled_from("+-*"), st.integers(0, 30)), min_size=1, max_size=6),
-       st.data())
-def test_quiz_feedback_never_contains_a_missing_result(questions, draw):
+       st.data(), st.sampled_from(["marks", "values"]))
+def test_quiz_feedback_never_contains_a_missing_result(questions, draw, wording):
     """The feedback repeats the reply's right results and nothing else of the answer: for a wrong
     line, the correct result is never shown (checked against an independent evaluation)."""
     value = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -258,7 +264,7 @@ def test_quiz_feedback_never_contains_a_missing_result(questions, draw):
              for i, (a, op, b) in enumerate(questions)]
     given_results = [draw.draw(st.sampled_from([int(t["output"]), int(t["output"]) + 1, 0, -3])) for t in tests]
     response = "\n".join(f"{t['input']}={v}" for t, v in zip(tests, given_results))
-    r = quiz_reward(response, {"uid": "q", "tests": tests}, False)
+    r = quiz_reward(response, {"uid": "q", "tests": tests, "quiz_feedback": wording}, False)
     wrong = [i for i, t in enumerate(tests) if str(given_results[i]) != t["output"]]
     assert r.score == float(not wrong)
     if not wrong:
@@ -269,7 +275,9 @@ def test_quiz_feedback_never_contains_a_missing_result(questions, draw):
     lines = r.feedback.split("\n")
     assert lines[0] == f"Wrong Answer: {len(wrong)} of {len(tests)} results are wrong."
     for i, (t, line) in enumerate(zip(tests, lines[1:])):
-        if i in wrong:
+        if i in wrong and wording == "marks":
+            assert line == f"{t['input']} is wrong."
+        elif i in wrong:
             assert line == f"{t['input']} is not {given_results[i]}."  # the reply's result, never the correct one
             assert not re.search(rf"(?<![\d-]){re.escape(t['output'])}(?!\d)", line.split(" is not ")[1]), line
         else:

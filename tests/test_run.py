@@ -780,6 +780,11 @@ def test_warm_start_recipe_is_the_tasks_where_a_flag_is_unset(warm_start_calls, 
     assert calls[1].train.warm_start_target == 0 and len(calls) == 2  # every step: another warm start
     strops = run.resolve_model(run.parse_config(["--train.warm_start_steps=300"]), ONE_PROCESS)
     assert strops != quiz and calls[2].train.steps == 300 and len(calls) == 3
+    # the feedback's wording is in the quiz's key (its warm start shows feedback), in no other task's
+    values = run.resolve_model(run.parse_config(["--data.task=quiz", "--data.quiz_feedback=values"]), ONE_PROCESS)
+    assert values != quiz and calls[3].data.quiz_feedback == "values" and len(calls) == 4
+    assert run.resolve_model(run.parse_config(["--train.warm_start_steps=300", "--data.quiz_feedback=values"]),
+                             ONE_PROCESS) == strops and len(calls) == 4
     assert run.resolve_model(run.parse_config(["--train.warm_start_steps=0"]), ONE_PROCESS) == str(tmp_path / "tiny")
 
 
