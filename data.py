@@ -53,7 +53,7 @@ class TaskConfig:
     # learns all 128 and solves every quiz after 600 steps: no group fails, nothing to teach.
     quiz_max: int = 20
     quiz_ops: str = "+*"  # operators drawn from (+ - *)
-    quiz_feedback: str = "marks"  # a wrong line's feedback: "marks" (b:3*4 is wrong.) or "values" (b:3*4 is not 13.)
+    quiz_feedback: str = QUIZ_FEEDBACK[0]  # a wrong line's feedback: "marks" (b:3*4 is wrong.) or "values" (b:3*4 is not 13.)
     heldout_percent: int = 10  # share of the content hash space that is held out
 
 

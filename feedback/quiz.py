@@ -28,7 +28,7 @@ from feedback import TOTAL_CHARS, Reward, cut, truncated_reward
 QUIZ_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 # How a wrong line reads. "values": "b:3*4 is not 13." names the wrong result, which a small
 # teacher copies (README: the quiz's decisive token); "marks": "b:3*4 is wrong." leaves nothing to copy.
-QUIZ_FEEDBACK = ("marks", "values")
+QUIZ_FEEDBACK = ("marks", "values")  # the first is the default (data.TaskConfig.quiz_feedback)
 LINE_RESULT = re.compile(r"=\s*([-+]?\d+)\s*\.?\s*$")
 
 
@@ -63,7 +63,7 @@ def quiz_reward(response: str, row: dict, truncated: bool) -> Reward:
     right = [str(r) == t["output"] for r, t in zip(results, tests)]
     if all(right):
         return Reward(1.0)
-    wording = row.get("quiz_feedback", "marks")
+    wording = row.get("quiz_feedback", QUIZ_FEEDBACK[0])
     if wording not in QUIZ_FEEDBACK:
         raise ValueError(f"row['quiz_feedback']={wording!r}: choose from {QUIZ_FEEDBACK}")
     # A wrong line never reads "question=...": a model copying its right lines must not copy it.
