@@ -856,10 +856,17 @@ def test_the_first_context_steps_show_every_prompt_as_a_teacher_context(tokenize
     assert 0.14 < bare(2) < 0.26 and 0.24 < demos(2) < 0.36
 
 
-def test_rl_learning_rate_is_the_tasks_where_the_flag_is_unset():
+def test_rl_learning_rate_and_sdpo_alpha_are_the_tasks_where_the_flags_are_unset():
     lr = lambda *flags: run.parse_config(list(flags)).optim.lr
-    assert lr() == lr("--data.task=arith") == 1e-4 and lr("--data.task=quiz") == 3e-5
+    assert lr() == lr("--data.task=arith") == lr("--data.task=arith", "--algo=grpo") == 1e-4
+    # quiz: the objective's own (SDPO is the default --algo), else the task's
+    assert lr("--data.task=quiz") == lr("--data.task=quiz", "--algo=sdpo") == 1.2e-4
+    assert lr("--data.task=quiz", "--algo=grpo") == 6e-5 and lr("--data.task=quiz", "--algo=dpo") == 3e-5
     assert lr("--data.task=quiz", "--optim.lr=1e-4") == 1e-4 and lr("--optim.lr=2e-5") == 2e-5
+    assert lr("--data.task=quiz", "--algo=grpo", "--optim.lr=2e-5") == 2e-5
+    alpha = lambda *flags: run.parse_config(list(flags)).sdpo.alpha
+    assert alpha() == alpha("--data.task=arith") == 0.5 and alpha("--data.task=quiz") == 1.0
+    assert alpha("--data.task=quiz", "--sdpo.alpha=0.5") == 0.5 and alpha("--sdpo.alpha=0") == 0.0
 
 
 def test_reward_kwargs_reach_the_reward_function(tmp_path):
