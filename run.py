@@ -177,8 +177,8 @@ class GadConfig:
 
 @dataclass
 class OptimConfig:
-    # Unset (None): the task's and objective's, RL_LRS (quiz: SDPO 1.2e-4, GRPO 6e-5, others 3e-5), else 1e-4. The paper's 1e-5 is for 8B
-    # models; the tiny model needs more.
+    # Unset (None): the task's and objective's, RL_LRS (quiz: SDPO 1.2e-4, GRPO 6e-5, others
+    # 3e-5), else 1e-4. The paper's 1e-5 is for 8B models; the tiny model needs more.
     lr: float | None = None
     warmup_steps: int = 2
     decay: Literal["none", "linear"] = "none"  # linear: to 0 at train.steps (the warm start always decays)
@@ -645,9 +645,9 @@ WARM_START_RECIPES = {"strops": (200, 0.7, 0.1, 0.0, 0), "quiz": (2000, 0.3, 0.5
 DEFAULT_WARM_START = (300, 0.7, 0.1, 0.0, 0)
 # The RL learning rate where --optim.lr is unset: per task and objective ((task, algo)), else
 # per task, else DEFAULT_RL_LR. quiz: each objective at the best of an lr grid on its warm start
-# (README: Does it work?, "Each at its own learning rate"): SDPO's distillation target stands
-# 1.2e-4, where GRPO falls behind its 6e-5; the rest keep 3e-5 (on the 2026-11-24 build the
-# memorised lines broke under Adam steps of 1e-4: GRPO 19-20% -> 4-11% held-out in 40 steps).
+# (README: Does it work?, "Each at its own learning rate"): SDPO is best at 1.2e-4, where GRPO
+# falls behind its own best, 6e-5; the rest keep 3e-5 (on the 2026-11-24 build the memorised
+# lines broke under Adam steps of 1e-4: GRPO 19-20% -> 4-11% held-out in 40 steps).
 RL_LRS = {"quiz": 3e-5, ("quiz", "grpo"): 6e-5, ("quiz", "sdpo"): 1.2e-4}
 DEFAULT_RL_LR = 1e-4
 # --sdpo.alpha where unset: reverse KL on the quiz reached GRPO's final in 0.50 of its
