@@ -14,7 +14,7 @@ A row's `tests` is a list; each test is one of
 "functional" tests). Function-call and assert tests import the program as a module named
 `solution` (its `if __name__ == "__main__":` block does not run).
 
-Binary score: 1.0 only if every test passes. Feedback LeetCode-style (SPEC 7): a single error
+Binary score: 1.0 only if every test passes. Feedback LeetCode-style: a single error
 if any (format, compile, runtime error, a limit), else up to two failing tests, smallest input
 first, with input, output and expected (for assert tests: the failed line, the last call and
 what it returned); fields cut to 250 chars, the whole text to 2000, control characters escaped.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 
 from feedback import (FIELD_CHARS, TOTAL_CHARS, Reward, cut, io_fields, printable, shortest_first, show_field,
@@ -149,8 +150,10 @@ def classify(r: RunResult, limits: Limits) -> tuple[str, str] | None:
         return "Memory Limit Exceeded", (f"The program's processes together used more than {limits.memory_mb} MiB "
                                          "of memory.")
     if r.limit == "output":
-        return "Output Limit Exceeded", f"The function returned a value larger than {limits.max_file_mb} MiB."
-    if last.startswith("MemoryError") or (exc and exc["type"] == "MemoryError"):
+        return "Output Limit Exceeded", "The function returned a value far larger than the expected one."
+    if r.limit == "files":
+        return "Disk Limit Exceeded", f"The program created more than {limits.max_files} files and directories."
+    if _out_of_memory(exc, last):
         return "Memory Limit Exceeded", f"The program tried to use more than {limits.memory_mb} MiB of memory."
     if "[Errno 27] File too large" in last:  # RLIMIT_FSIZE; Python ignores SIGXFSZ, so writes fail
         return "Output Limit Exceeded", f"The program wrote more than {limits.max_file_mb} MiB to a file or to stdout."
@@ -172,11 +175,19 @@ def classify(r: RunResult, limits: Limits) -> tuple[str, str] | None:
     return None
 
 
+def _out_of_memory(exc: dict | None, last: str) -> bool:
+    """A MemoryError of any kind (numpy's _ArrayMemoryError too) or an allocation refused with
+    ENOMEM (mmap): RLIMIT_AS stopped it."""
+    if exc is not None:
+        return exc["type"].endswith("MemoryError") or str(exc["message"]).startswith("[Errno 12]")
+    return bool(re.match(r"[\w.]*MemoryError\b|\w+Error: \[Errno 12\]", last))
+
+
 def _failure_fields(r: RunResult, test: dict) -> list[tuple[str, str]] | None:
     """The fields of a wrong answer, None if the test passed."""
     if "input" in test:
         out, expected = normalize_output(r.stdout), normalize_output(test["output"])
-        return None if out == expected else io_fields(test["input"].rstrip("\n"), out, expected)
+        return None if out == expected and not r.stdout_cut else io_fields(test["input"].rstrip("\n"), out, expected)
     if "assert" in test:
         if r.passed:
             return None
@@ -216,6 +227,8 @@ def code_reward(response: str, row: dict, truncated: bool, cpu_seconds: float = 
         test = tests[order[r.index]]
         if r.error:  # the sandbox broke: not the model's fault, so no feedback, just the error
             return Reward(0.0, "", f"sandbox: {r.error}")
+        if "expected" in test and not r.has_value and classify(r, limits) is None:  # never read as None
+            return Reward(0.0, "", "sandbox: a call ended with neither a value nor an error")
         bad = classify(r, limits)
         if bad is not None:
             inp = _shown_input(test) if "assert" not in test else r.last_call.get("call")

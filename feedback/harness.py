@@ -18,15 +18,24 @@ cannot read the runner's memory or fds, nor kill it. Values cross from the progr
 only as JSON of built-in types (`encode_value`), so no object the program made is ever compared,
 called or hashed outside its own process: an `__eq__` that always says yes stays in the program.
 
-Limits. CPU time is the budget: the runner sums the CPU time of every process of the program
-(RLIMIT_CPU per process is a backstop). Wall time only catches programs that wait: `idle` is time
-during which no thread of the program (nor the runner's test code) was running, runnable or
-waiting for the disk, so a busy machine, which keeps a program runnable but not running, never
-counts against it;
-`max_wall_seconds` is a backstop for a machine so overloaded that even that is not enough.
-Memory is the resident memory of all the program's processes together (RLIMIT_AS per process
-on top). The runner polls every POLL_SECONDS and kills all of the program's processes when a
-limit fires; a program can overshoot by what it allocates within one poll.
+Limits. CPU time is the budget: the runner sums the CPU time of every process of the program,
+live, zombie, or reaped (a reaped child's time is in its parent's cutime, or in our
+RUSAGE_CHILDREN); RLIMIT_CPU per process is a backstop. That sum misses only a child the kernel
+reaps itself, which discards its time: the seccomp filter (`seccomp_filter`) makes that
+impossible (no SIGCHLD disposition, no new user or pid namespace). Wall time only catches programs
+that wait: `idle` is time during which no thread of the program (nor the runner's test code) was
+running or runnable, so a busy machine, which keeps a program runnable but not running, never
+counts against it. Waiting for the disk (state D) is not idle for the first `idle_seconds` of it
+(loading the runtime on a busy machine), then it is: a parent blocked in vfork() is in state D
+too, for as long as its child sleeps. `max_wall_seconds` is a backstop for a machine so
+overloaded that even that is not enough. Memory is the resident memory of all the program's
+processes together (RLIMIT_AS per process on top); memory that no process shows is refused
+(memfd_create, SysV shm/sem/msg, io_uring) or bounded (tmpfs sizes and `max_files` inodes;
+MAX_FDS fds per process for pipe and socket buffers). The runner polls every POLL_SECONDS and
+kills all of the program's processes when a limit fires; a program can overshoot by what it
+allocates within one poll. What goes back is capped: stdout at the job's stdout_cap, stderr to
+its tail, a returned value at the call's max_bytes and max_nodes (JSON text and values built),
+before anything is parsed.
 """
 
 from __future__ import annotations
@@ -55,11 +64,11 @@ POLL_SECONDS = 0.01  # limit checks inside the sandbox, where /proc lists only t
 POLL_SECONDS_WEAK = 0.05  # without a pid namespace every check scans the whole machine's /proc
 MAX_DEPTH = 100  # nesting of values passed between program and runner
 MAX_SHOWN = 4000  # chars of a traceback or exception message kept
-# Thread states that are not idle: running or runnable (R), and waiting for the disk (D), which is
-# reading the Python runtime on a busy machine, not the program waiting for something.
-BUSY = ("R", "D")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
+MAX_FDS = 64  # per process: bounds what pipes and sockets can hold in kernel memory
+KEPT_OUTPUT = 64 << 10  # bytes of stdout kept when the test expects none, and of stderr's tail
+VALUE_BYTES, VALUE_NODES = 1 << 20, 100_000  # a returned value's JSON, when no expected value sizes it
 
 
 # -----------------------------------------------------------------------------
@@ -209,6 +218,58 @@ def _resolve(module, name: str):
 
 
 # -----------------------------------------------------------------------------
+# the seccomp filter: the few system calls that would take a program around the limits
+
+
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+# name: (x86_64, aarch64) numbers
+SYSCALLS = {"rt_sigaction": (13, 134), "clone": (56, 220), "unshare": (272, 97), "clone3": (435, 435),
+            "memfd_create": (319, 279), "memfd_secret": (447, 447), "shmget": (29, 194), "semget": (64, 190),
+            "msgget": (68, 186), "io_uring_setup": (425, 425)}
+# memory that no process's RSS shows and no tmpfs bounds
+DENIED = ("memfd_create", "memfd_secret", "shmget", "semget", "msgget", "io_uring_setup")
+NEW_NAMESPACES = 0x10000000 | 0x20000000  # CLONE_NEWUSER | CLONE_NEWPID
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def seccomp_filter():
+    """The filter (a sock_fprog, with its instructions kept alive on it), None on an unknown
+    architecture. CPU time stays countable because no process is ever reaped without its parent
+    collecting its time: no SIGCHLD disposition can be set (SIG_IGN and SA_NOCLDWAIT make the
+    kernel discard a child's time), and no pid namespace can be made (whose end discards it too:
+    the kernel reaps its processes as if SIGCHLD were ignored). Memory stays countable because
+    memfds, SysV IPC and io_uring rings, which no RSS shows, cannot be made. Other ABIs (i386's
+    int 0x80, x32) are refused: their numbers differ."""
+    arch = os.uname().machine
+    if arch not in AUDIT_ARCH:
+        return None
+    nr = {name: nums[arch == "aarch64"] for name, nums in SYSCALLS.items()}
+    ld = lambda offset: (0x20, 0, 0, offset)  # BPF_LD|BPF_W|BPF_ABS: seccomp_data at offset
+    jeq = lambda k, jt, jf: (0x15, jt, jf, k)
+    ret = lambda k: (0x06, 0, 0, k)
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    prog = [ld(4), jeq(AUDIT_ARCH[arch], 1, 0), ret(eperm), ld(0)]
+    if arch == "x86_64":
+        prog += [(0x35, 0, 1, 0x40000000), ret(eperm)]  # BPF_JGE: the x32 ABI
+    for name in DENIED:
+        prog += [jeq(nr[name], 0, 1), ret(eperm)]
+    prog += [jeq(nr["clone3"], 0, 1), ret(enosys)]  # its flags are out of a filter's reach; libc falls back to clone
+    for name in ("clone", "unshare"):  # flags in the first argument
+        prog += [jeq(nr[name], 0, 4), ld(16), (0x45, 0, 1, NEW_NAMESPACES), ret(eperm), ret(allow)]  # BPF_JSET
+    # rt_sigaction(SIGCHLD, act, ...) with act != NULL; reading the disposition stays allowed
+    prog += [jeq(nr["rt_sigaction"], 0, 7), ld(16), jeq(signal.SIGCHLD, 0, 5), ld(24), jeq(0, 0, 2), ld(28),
+             jeq(0, 1, 0), ret(eperm), ret(allow)]
+    code = (ctypes.c_uint64 * len(prog))(*(c | jt << 16 | jf << 24 | k << 32 for c, jt, jf, k in prog))
+    fprog = _SockFprog(len(prog), ctypes.addressof(code))
+    fprog.code = code
+    return fprog
+
+
+# -----------------------------------------------------------------------------
 # the runner
 
 
@@ -247,6 +308,7 @@ class Runner:
         self.uid = job["uid"]
         self.solution = os.path.join(job["root_dir"], "solution.py")
         self.libc = _libc()
+        self.seccomp = seccomp_filter()
         self.n_spawned = 0
 
     # --- processes
@@ -277,6 +339,7 @@ class Runner:
                 resource.setrlimit(resource.RLIMIT_FSIZE, (lim["max_file_mb"] << 20,) * 2)
                 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
                 resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+                resource.setrlimit(resource.RLIMIT_NOFILE, (MAX_FDS, MAX_FDS))
                 if self.uid is not None:
                     os.setgroups([])
                     os.setgid(self.uid)
@@ -287,6 +350,9 @@ class Runner:
                     self.libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
                     if not self.pid1:  # in a pid namespace the kernel kills everything when we go
                         self.libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+                    if self.seccomp is not None and self.libc.prctl(
+                            PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(self.seccomp), 0, 0) != 0:
+                        raise OSError(ctypes.get_errno(), "cannot install the seccomp filter")
                 os.mkdir(cwd, 0o700)
                 os.chdir(cwd)
                 os.execve(argv[0], argv, {"PATH": SAFE_PATH, "LANG": "C.UTF-8", "HOME": cwd})
@@ -369,15 +435,16 @@ class Runner:
         os.lseek(fds[0], 0, os.SEEK_SET)
         return fds
 
-    def _outputs(self, fds: list[int]) -> dict:
-        """The program's stdout and stderr (capped by RLIMIT_FSIZE anyway); closes the fds."""
-        cap = self.limits["max_file_mb"] << 20
-        texts = {}
-        for name, fd in zip(("stdout", "stderr"), fds[1:]):
-            os.lseek(fd, 0, os.SEEK_SET)
-            texts[name] = os.read(fd, cap).decode("utf-8", errors="replace")
-        # tracebacks name the program by its path in the sandbox: make it the plain "solution.py"
-        texts["stderr"] = texts["stderr"].replace(self.solution, "solution.py")
+    def _outputs(self, fds: list[int], stdout_cap: int = KEPT_OUTPUT) -> dict:
+        """The first `stdout_cap` bytes of the program's stdout (`stdout_cut`: there was more) and
+        the last KEPT_OUTPUT of its stderr (where the error is); closes the fds. What reaches the
+        trainer is what it can use, not what the program wrote (up to RLIMIT_FSIZE each)."""
+        out_size, err_size = os.fstat(fds[1]).st_size, os.fstat(fds[2]).st_size
+        err = os.pread(fds[2], KEPT_OUTPUT, max(0, err_size - KEPT_OUTPUT)).decode("utf-8", errors="replace")
+        texts = {"stdout": os.pread(fds[1], stdout_cap, 0).decode("utf-8", errors="replace"),
+                 "stdout_cut": out_size > stdout_cap,
+                 # tracebacks name the program by its path in the sandbox: make it the plain "solution.py"
+                 "stderr": err.replace(self.solution, "solution.py")}
         for fd in fds:
             os.close(fd)
         return texts
@@ -395,7 +462,7 @@ class Runner:
         watch.stop()
         self.end_program()
         return [{"returncode": os.waitstatus_to_exitcode(status), "limit": watch.fired, "cpu": watch.cpu(),
-                 "wall": time.monotonic() - t0, **self._outputs(fds)}]
+                 "wall": time.monotonic() - t0, **self._outputs(fds, test["stdout_cap"])}]
 
     def run_calls(self, test: dict) -> list[dict]:
         """All function-call tests of a group in one program process, in order, each with the
@@ -414,9 +481,8 @@ class Runner:
                 if "exception" in reply:
                     break
         # the call that raised or died gets how the program ended; a clean session adds nothing
-        tail = results.pop() if results and "exception" in results[-1] else {}
-        ended = session.end(tail)
-        if tail or "died" in ended or "load_error" in ended:
+        ended = session.end(results.pop() if results and "exception" in results[-1] else {})
+        if "exception" in ended or "died" in ended or "load_error" in ended:
             results.append(ended)
         return results
 
@@ -472,6 +538,7 @@ class Session:
         self.last: dict = {}
         self.gone = False  # the server died (or was killed by a limit) before the end
         self.oversize = False
+        self.caps = (VALUE_BYTES, VALUE_NODES)  # of the current reply
 
     def start(self) -> bool:
         """Spawn the server and wait until the program is loaded; False if that failed (end()
@@ -495,12 +562,20 @@ class Session:
         self.requests, self.replies = os.fdopen(req_w, "wb"), os.fdopen(rep_r, "rb")
         self.watch = Watch(r, self.pid)  # loading the program is budgeted like a call
         self.loaded = self._reply()
+        if self.loaded is not None and not self.loaded.keys() & {"ready", "load_error"}:
+            # the program itself wrote on the reply channel while loading: no call may read that
+            self.loaded = {"load_error": {"type": "ProtocolError", "traceback": "",
+                                          "message": "the program wrote on the call channel (fd 4) while loading"}}
         return self.loaded is not None and "ready" in self.loaded
 
     def call(self, request: dict) -> dict | None:
-        """Send one call; the reply with its value decoded, or None if the program is gone."""
+        """Send one call; the reply with its value decoded, or None if the program is gone (or
+        replied with more than the request's max_bytes or max_nodes: it is then stopped)."""
+        # the caps come from the expected value's size, which the program must not learn
+        self.caps = request.get("max_bytes", VALUE_BYTES), request.get("max_nodes", VALUE_NODES)
         try:
-            self.requests.write(json.dumps(request).encode() + b"\n")
+            sent = {k: request[k] for k in ("fn", "args", "kwargs")}
+            self.requests.write(json.dumps(sent).encode() + b"\n")
             self.requests.flush()
         except (BrokenPipeError, ValueError):
             self.gone = True
@@ -520,9 +595,11 @@ class Session:
         return reply
 
     def _reply(self) -> dict | None:
-        cap = max(self.runner.limits["max_file_mb"] << 20, 1 << 20)
-        line = self.replies.readline(cap + 1)
-        if not line.endswith(b"\n"):
+        max_bytes, max_nodes = self.caps
+        line = self.replies.readline(max_bytes + 1)
+        # a bound on the values json.loads would build (commas in strings aside): a reply of
+        # [[]] * 10**6 is 4 MB of text but 64 MB of lists, here and again in the trainer
+        if not line.endswith(b"\n") or line.count(b",") + line.count(b"[") + line.count(b"{") > max_nodes:
             if line:  # a reply over the cap: stop the program rather than parse it
                 self.oversize = True
                 _kill(self.pid)
@@ -629,8 +706,8 @@ class Watch:
         self.fired = ""
         self.budget_cpu0 = 0.0
         self._cpu = 0.0
-        self._rss = 0
-        self._idle = 0.0
+        self._rss = self._files = 0
+        self._idle = self._disk = 0.0  # time idle; time only waiting for the disk (idle beyond a grace)
         self._t_budget = time.monotonic()
         self._reaped0 = _children_cpu()
         self._runner_tid = threading.get_native_id()  # test code running in the runner is activity
@@ -647,52 +724,50 @@ class Watch:
         """Start the next call's budgets (function-call tests share one program process)."""
         with self._lock:
             self.budget_cpu0 = self._cpu
-            self._idle = 0.0
+            self._idle = self._disk = 0.0
             self._t_budget = time.monotonic()
 
     def cpu(self) -> float:
         self._sample()
         return self._cpu
 
-    def _sample(self) -> bool:
-        """Update CPU time and resident memory; True if some thread of the program, or the
-        runner's main thread (test code), is running or runnable."""
-        busy, cpu, rss = False, 0.0, 0
+    def _sample(self) -> str:
+        """Update CPU time, resident memory and files; return the program's activity: "R" if some
+        thread of it (or the runner's main thread, running test code) is running or runnable,
+        else "D" if one waits for the disk, else ""."""
+        states, cpu, rss = set(), 0.0, 0
+        reaped = _children_cpu()  # before the scan: a process we reap meanwhile is counted once
         for pid, st in self.runner.program_procs():
             cpu += sum(int(x) for x in st[11:15]) / CLK_TCK  # utime stime cutime cstime
             rss += int(st[21]) * PAGE
-            if not busy and st[0] != "Z":
-                if int(st[17]) == 1:  # one thread: the process state is its state
-                    busy = st[0] in BUSY
-                else:
-                    try:
-                        tids = os.listdir(f"/proc/{pid}/task")
-                    except OSError:
-                        tids = []
-                    busy = any((_stat(pid, int(t)) or ["S"])[0] in BUSY for t in tids)
-        if not busy:
-            st = _stat(os.getpid(), self._runner_tid)
-            busy = st is not None and st[0] in BUSY
+            if "R" not in states and st[0] != "Z":
+                states |= _thread_states(pid, st)
+        states.add((_stat(os.getpid(), self._runner_tid) or ["S"])[0])
+        files = sum(_inodes(d) for d in (self.runner.job["root_dir"], "/dev/shm")) if self.runner.pid1 else 0
         with self._lock:
-            self._cpu = max(self._cpu, _children_cpu() - self._reaped0 + cpu)  # never backwards
-            self._rss = rss
-        return busy
+            self._cpu = max(self._cpu, reaped - self._reaped0 + cpu)  # never backwards
+            self._rss, self._files = rss, files
+        return "R" if "R" in states else "D" if "D" in states else ""
 
     def _loop(self) -> None:
         lim = self.limits
         poll = POLL_SECONDS if self.runner.pid1 else POLL_SECONDS_WEAK
         last = time.monotonic()
         while not self._stop.wait(poll):
-            busy = self._sample()
+            activity = self._sample()
             now = time.monotonic()
             with self._lock:
-                if not busy:
+                if activity == "D" and self._disk < lim["idle_seconds"]:
+                    self._disk += now - last
+                elif activity != "R":
                     self._idle += now - last
                 last = now
                 if self._cpu - self.budget_cpu0 > lim["cpu_seconds"]:
                     self.fired = "cpu"
                 elif self._rss > lim["memory_mb"] << 20:
                     self.fired = "memory"
+                elif self._files > lim["max_files"]:
+                    self.fired = "files"
                 elif self._idle > lim["idle_seconds"]:
                     self.fired = "idle"
                 elif now - self._t_budget > lim["max_wall_seconds"]:
@@ -723,6 +798,22 @@ class Watch:
                     os.waitpid(pid, os.WNOHANG)
                 except ChildProcessError:
                     pass
+
+
+def _thread_states(pid: int, st: list[str]) -> set[str]:
+    if int(st[17]) == 1:  # one thread: the process state is its state
+        return {st[0]}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return set()
+    return {(_stat(pid, int(t)) or ["S"])[0] for t in tids}
+
+
+def _inodes(path: str) -> int:
+    """Inodes in use on the filesystem at `path` (files, directories, links of every name)."""
+    st = os.statvfs(path)
+    return st.f_files - st.f_ffree
 
 
 def _children_cpu() -> float:

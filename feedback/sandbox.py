@@ -9,7 +9,7 @@ the sandbox of Flatpak) builds it: new mount, pid, network, ipc and uts namespac
 program sees
 
     /usr, /lib*, /bin, the Python installation       read-only (the runtime)
-    /sandbox (its directory and HOME), /tmp, /var/tmp one tmpfs of disk_mb
+    /sandbox (its directory and HOME), /tmp, /var/tmp one tmpfs of disk_mb (at most max_files inodes)
     /dev/shm                                          its own tmpfs of shm_mb
     /proc, /dev                                       the sandbox's own (its processes only)
 
@@ -20,7 +20,15 @@ kernel kills whatever is left, and bwrap's --die-with-parent does the same if th
 Inside, feedback/harness.py runs each test in fresh processes and enforces the limits (see its
 docstring): CPU time of all processes together (the budget), idle time (catches sleepers, not
 busy machines), a wall-clock backstop, resident memory of all processes together, process
-count, file size. Expected outputs never enter the sandbox; the trainer compares.
+count, file size, inodes; a seccomp filter keeps the CPU time of every process countable and
+refuses memory that no process shows (memfds, SysV IPC). Expected outputs never enter the sandbox;
+the trainer compares, and what the program can send back (stdout, a returned value) is capped by
+the size of what the test expects, so a rollout costs the trainer memory in proportion to its row.
+
+The Python installation may live anywhere (/usr, /opt, a home directory, a conda prefix, a venv
+under /tmp or /var/tmp): /tmp and /var/tmp are made first, as relative symlinks into the sandbox's
+tmpfs, so that a runtime under them is mounted through them; its top directory there is a small
+read-only tmpfs, which the program cannot rename away from the interpreter.
 
 As root (the usual GPU box) the program runs as a uid of its own (UID_BASE.., one per concurrent
 sandbox, flock-ed) with no_new_privs, so RLIMIT_NPROC limits it (root is exempt) and it cannot
@@ -30,11 +38,14 @@ safe because the runner is pid 1 (no signals from inside) and non-dumpable (no p
 /proc/1/mem or fds), and because the whole sandbox is in a user namespace without capabilities.
 
 What does NOT hold, even with bubblewrap:
-- no seccomp filter: every system call is open, so kernel bugs are out of scope; as root the
-  program may create user namespaces of its own (more kernel surface, no new access);
+- the seccomp filter (feedback/harness.py) refuses only what would defeat the limits; every other
+  system call is open, so kernel bugs are out of scope; it exists for x86_64 and aarch64 only;
 - memory is polled (every 10 ms), so a tree can overshoot by what it allocates in that time;
   shared pages of forked processes count once per process; tmpfs contents are RAM on top of
-  memory_mb (bounded by disk_mb + shm_mb);
+  memory_mb (bounded by disk_mb + shm_mb, and max_files inodes of about 1 KiB each); kernel
+  buffers of pipes and sockets are not counted: at most 64 fds per process, about 6.5 MiB of
+  socket buffers each, so up to ~0.4 GiB for 64 processes (pipes: 64 MiB per uid, the kernel's
+  default);
 - the tests of one call share /sandbox, /tmp and /dev/shm (each test has a fresh process and
   working directory): a program can pass notes from one test to the next;
 - without root, RLIMIT_NPROC counts the trainer's own processes too: the limit is set that many
@@ -63,7 +74,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 
-from feedback.harness import decode_value, encode_value
+from feedback.harness import KEPT_OUTPUT as KEPT, decode_value, encode_value
 
 # Uids the programs run as when we are root, one per concurrent sandbox, so that one program's
 # process budget (RLIMIT_NPROC counts per uid) is its own. Uids of real accounts are skipped.
@@ -75,6 +86,11 @@ ROOT = "/sandbox"  # the program's writable directory, inside the sandbox
 HARNESS_INSIDE = "/opt/sdpo/harness.py"
 MIN_BWRAP = (0, 8)  # --size (0.7) and --perms (0.8) for tmpfs mounts
 RUNNER_TASKS = 4  # the runner's own threads, counted by RLIMIT_NPROC when it shares the program's uid
+INSTALL_BWRAP = ("Install bubblewrap (apt-get install bubblewrap; without root it also needs unprivileged user "
+                 "namespaces)")
+# bwrap's words when the kernel or a container refuses namespaces (not a problem of our mounts)
+NAMESPACES_REFUSED = ("No permissions to creat", "Creating new namespace failed", "setting up uid map",
+                      "Operation not permitted")
 
 
 @dataclass
@@ -87,6 +103,7 @@ class Limits:
     max_file_mb: int = 16  # any one file it writes, stdout and stderr included (RLIMIT_FSIZE)
     disk_mb: int = 64  # its directory, /tmp and /var/tmp together (a tmpfs)
     shm_mb: int = 64  # /dev/shm (a tmpfs)
+    max_files: int = 10_000  # inodes on those tmpfs together: each is kernel memory that no size counts
     allow_network: bool = False
 
 
@@ -94,8 +111,9 @@ class Limits:
 class RunResult:
     """One test's run. Which fields are set depends on the test's kind (stdin, call, assert)."""
     index: int  # position of the test in the list given to run_tests
-    stdout: str = ""
-    stderr: str = ""
+    stdout: str = ""  # its first bytes: as many as the expected output could need (see _job)
+    stderr: str = ""  # its last 64 KiB
+    stdout_cut: bool = False  # stdout was longer than that: it cannot be the expected output
     returncode: int | None = None  # the program's exit (negative: killed by that signal); None: n/a
     limit: str = ""  # the limit that stopped it: "cpu", "idle", "wall", "memory", "output"; "" none
     cpu_seconds: float = 0.0
@@ -124,6 +142,7 @@ class Isolation:
     bwrap: str | None  # bubblewrap, when it runs a sandbox here; None: weak sandbox
     root: bool
     problems: tuple[str, ...]  # guarantees that do not hold here (empty when isolated)
+    remedy: str = INSTALL_BWRAP  # what to do about the first problem
 
     @property
     def isolated(self) -> bool:
@@ -148,7 +167,7 @@ def isolation() -> Isolation:
 def _probe() -> Isolation:
     root = os.geteuid() == 0
     bwrap = shutil.which("bwrap")
-    why = "bubblewrap is not installed (apt-get install bubblewrap)"
+    why, remedy = "bubblewrap is not installed (apt-get install bubblewrap)", INSTALL_BWRAP
     version = _bwrap_version(bwrap) if bwrap else None
     if version is not None and version < MIN_BWRAP:
         why = (f"bubblewrap {'.'.join(map(str, version))} is older than {'.'.join(map(str, MIN_BWRAP))}, "
@@ -158,11 +177,11 @@ def _probe() -> Isolation:
             out = _run_job(Isolation(bwrap, root, ()), Limits(), _job("", [], None, ROOT, 0, False), 60)
             if out.returncode == 0:
                 return Isolation(bwrap, root, ())
-            why = f"bubblewrap cannot build a sandbox here: {out.stderr.strip()[-500:] or f'exit {out.returncode}'}"
+            said = out.stderr.strip()[-500:] or f"exit {out.returncode}"
         except (OSError, subprocess.SubprocessError) as e:
-            why = f"bubblewrap cannot build a sandbox here: {e}"
-        if not root:
-            why += " (without root it needs unprivileged user namespaces)"
+            said = str(e)
+        why = f"bubblewrap ({bwrap}) is installed but could not build the sandbox: {said}"
+        remedy = _remedy(said, root)
     problems = [why,
                 "programs can read every world-readable file, the dataset included (and print the expected outputs)",
                 "programs can leave files in /tmp, /var/tmp and /dev/shm, with no size limit, and see other sandboxes' files",
@@ -171,7 +190,21 @@ def _probe() -> Isolation:
     if not root:
         problems.append("programs run as your own user: they can read your processes' environments (API keys), "
                         "signal them and write your files")
-    return Isolation(None, root, tuple(problems))
+    return Isolation(None, root, tuple(problems), remedy)
+
+
+def _remedy(said: str, root: bool) -> str:
+    """What to do when an installed bubblewrap fails: namespaces refused by the machine, or a
+    mount of ours that does not fit this installation (then reinstalling bubblewrap is no help)."""
+    if any(words in said for words in NAMESPACES_REFUSED):
+        return ("This machine or container refuses the namespaces bubblewrap needs: "
+                + ("" if root else "run as root, or allow unprivileged user namespaces (sysctl "
+                   "kernel.unprivileged_userns_clone=1; on Ubuntu 24.04 also "
+                   "kernel.apparmor_restrict_unprivileged_userns=0); ")
+                + "in docker, run the container with --security-opt seccomp=unconfined (or --privileged)")
+    return (f"This is the sandbox's own set-up failing for this machine, not a missing package (Python at "
+            f"{sys.prefix}, runtime {sys.base_prefix}): please report the message above; a Python installed "
+            f"elsewhere may work meanwhile")
 
 
 def _bwrap_version(bwrap: str) -> tuple[int, ...] | None:
@@ -213,8 +246,7 @@ def require_isolation(allow_weak: bool) -> Isolation:
 
 def _refusal(iso: Isolation) -> str:
     return ("the code sandbox cannot isolate programs here:\n  - " + "\n  - ".join(iso.problems) +
-            "\nInstall bubblewrap (apt-get install bubblewrap; without root it also needs unprivileged user "
-            "namespaces), or pass --data.allow_weak_sandbox=True to run model-written code anyway.")
+            f"\n{iso.remedy}; or pass --data.allow_weak_sandbox=True to run model-written code anyway.")
 
 
 # -----------------------------------------------------------------------------
@@ -266,15 +298,23 @@ def run_tests(code: str, tests: list[dict], limits: Limits | None = None,
 
 def _job(code: str, tests: list[dict], uid: int | None, root_dir: str, nproc_base: int, stop_on_error: bool,
          python: str = sys.executable, limits: Limits | None = None) -> dict:
-    """The runner's job: the tests grouped by kind (consecutive call tests share a process)."""
+    """The runner's job: the tests grouped by kind (consecutive call tests share a process). What
+    the program may send back is sized by what the test expects (its stdout, a call's value), so
+    that what reaches the trainer is bounded by the row, not by the program."""
+    limits = limits or Limits()
     groups: list[dict] = []
     for i, t in enumerate(tests):
         if "input" in t:
-            groups.append({"kind": "stdio", "input": t["input"], "indices": [i]})
+            cap = 2 * len(t["output"].encode()) + KEPT if "output" in t else limits.max_file_mb << 20
+            groups.append({"kind": "stdio", "input": t["input"], "stdout_cap": cap, "indices": [i]})
         elif "assert" in t:
             groups.append({"kind": "assert", "fn": t["fn"], "assert": t["assert"], "indices": [i]})
         else:
             call = {"fn": t["fn"], "args": encode_value(list(t.get("args", []))), "kwargs": encode_value(dict(t.get("kwargs") or {}))}
+            if "expected" in t:  # 4x: a tuple or a dict takes more JSON than the list or object expected
+                expected = json.dumps(encode_value(t["expected"])).encode()
+                call["max_bytes"] = 4 * len(expected) + KEPT
+                call["max_nodes"] = 4 * sum(expected.count(c) for c in b",[{") + 10_000
             if groups and groups[-1]["kind"] == "calls":
                 groups[-1]["calls"].append(call)
                 groups[-1]["indices"].append(i)
@@ -282,12 +322,13 @@ def _job(code: str, tests: list[dict], uid: int | None, root_dir: str, nproc_bas
                 groups.append({"kind": "calls", "calls": [call], "indices": [i]})
     return {"code": code, "tests": groups, "uid": uid, "root_dir": root_dir, "nproc_base": nproc_base,
             "stop_on_error": stop_on_error, "python": python,
-            "harness": HARNESS_INSIDE if root_dir == ROOT else HARNESS, "limits": asdict(limits or Limits())}
+            "harness": HARNESS_INSIDE if root_dir == ROOT else HARNESS, "limits": asdict(limits)}
 
 
 def _result(r: dict) -> RunResult:
-    res = RunResult(r["index"], r.get("stdout", ""), r.get("stderr", ""), r.get("returncode"), r.get("limit") or "",
-                    r.get("cpu", 0.0), r.get("wall", 0.0), exception=r.get("exception"),
+    res = RunResult(r["index"], r.get("stdout", ""), r.get("stderr", ""), bool(r.get("stdout_cut")),
+                    r.get("returncode"), r.get("limit") or "", r.get("cpu", 0.0), r.get("wall", 0.0),
+                    exception=r.get("exception"),
                     load_error=r.get("load_error"), died=bool(r.get("died")), passed=bool(r.get("passed")),
                     failure=r.get("failure"), last_call=r.get("last_call") or {}, error=r.get("error", ""))
     if "value" in r:
@@ -345,13 +386,16 @@ def _bwrap_argv(iso: Isolation, limits: Limits) -> list[str]:
         argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_KILL"]
     else:
         argv += ["--unshare-user", "--disable-userns"]
-    argv += _runtime_mounts()
+    # /tmp and /var/tmp first, as relative symlinks (resolved in the new root while bwrap builds it),
+    # so that a Python installation under either is mounted through them, into the program's tmpfs
+    tmp = ROOT.lstrip("/") + "/.tmp"
     argv += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "1777", "--size", str(limits.disk_mb << 20), "--tmpfs", ROOT,
              "--perms", "1777", "--dir", ROOT + "/.tmp",
-             "--symlink", ROOT + "/.tmp", "/tmp", "--symlink", ROOT + "/.tmp", "/var/tmp",
-             "--perms", "1777", "--size", str(limits.shm_mb << 20), "--tmpfs", "/dev/shm",
-             "--perms", "0755", "--dir", os.path.dirname(os.path.dirname(HARNESS_INSIDE)),
+             "--symlink", tmp, "/tmp", "--perms", "0755", "--dir", "/var", "--symlink", "../" + tmp, "/var/tmp",
+             "--perms", "1777", "--size", str(limits.shm_mb << 20), "--tmpfs", "/dev/shm"]
+    argv += _runtime_mounts()
+    argv += ["--perms", "0755", "--dir", os.path.dirname(os.path.dirname(HARNESS_INSIDE)),
              "--perms", "0755", "--dir", os.path.dirname(HARNESS_INSIDE),
              "--ro-bind", HARNESS, HARNESS_INSIDE, "--chdir", ROOT, "--"]
     return argv
@@ -372,7 +416,7 @@ def _runtime_mounts() -> list[str]:
                                                exe_prefix)}
     venvs = {p for p in (sys.prefix, os.path.dirname(os.path.dirname(sys.executable)))  # reached by symlinks
              if os.path.realpath(p) != p and os.path.isdir(p)}
-    made = set()
+    made, frozen = set(), []
     for p in sorted(prefixes | venvs):
         if any(p == top or p.startswith(top + "/") for top in ("/usr", "/bin", "/lib", "/lib64")):
             continue
@@ -381,10 +425,19 @@ def _runtime_mounts() -> list[str]:
         while parents[-1] != "/":
             parents.append(os.path.dirname(parents[-1]))
         for d in reversed(parents[:-1]):
-            if d not in made:
-                made.add(d)
+            if d in made:
+                continue
+            made.add(d)
+            if os.path.dirname(d) in ("/tmp", "/var/tmp"):
+                # in the program's writable /tmp: a small tmpfs, made read-only below, so that the
+                # program (the same uid, without root) cannot rename the way to its interpreter
+                argv += ["--perms", "0755", "--size", str(1 << 20), "--tmpfs", d]
+                frozen.append(d)
+            else:
                 argv += ["--perms", "0755", "--dir", d]
         argv += ["--ro-bind", p, p]
+    for d in frozen:
+        argv += ["--remount-ro", d]
     return argv
 
 

@@ -8,11 +8,16 @@ the project. Limits are small (1 s of CPU, 1 s idle) to keep the suite fast.
 """
 
 import glob
+import importlib.util
 import os
+import shutil
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+import tracemalloc
 import uuid
 from pathlib import Path
 
@@ -28,7 +33,9 @@ ROW = {"uid": "h", "tests": [{"input": "1 2\n", "output": "3"}]}  # the expected
 FAST = dict(cpu_seconds=1, idle_seconds=1)
 ISO = sandbox.isolation()
 
-if not ISO.isolated and os.geteuid() != 0:
+# skipped only where bubblewrap itself cannot run; a failure of the sandbox's own set-up fails here
+if not ISO.isolated and os.geteuid() != 0 and (
+        shutil.which("bwrap") is None or any(w in ISO.problems[0] for w in sandbox.NAMESPACES_REFUSED)):
     pytest.skip("the sandbox needs bubblewrap with user namespaces when not root: "
                 + "; ".join(ISO.problems[:1]), allow_module_level=True)
 
@@ -36,6 +43,39 @@ if not ISO.isolated and os.geteuid() != 0:
 def test_sandbox_is_isolated_as_root():
     """As root, the README's install puts bubblewrap in place: a weak sandbox here is a broken install."""
     assert ISO.isolated, ISO.problems
+
+
+@pytest.mark.parametrize("top", ["/tmp", "/var/tmp"])
+def test_sandbox_builds_from_a_python_under_tmp(top):
+    """A virtual environment under /tmp or /var/tmp (throwaway environments, CI caches): its
+    mounts go through the sandbox's own /tmp, and the program cannot move them away."""
+    with tempfile.TemporaryDirectory(dir=top) as d:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", f"{d}/venv"],
+                       check=True, timeout=120)
+        code = ("import os, sys\nprint(sys.prefix)\n"
+                f"for p in ({d!r}, {d + '/venv'!r}):\n"
+                "    try:\n        os.rename(p, p + '_moved')\n    except OSError:\n        print('kept')\n")
+        check = ("import sys\nfrom feedback import sandbox\niso = sandbox.isolation()\n"
+                 "assert iso.isolated, iso.problems[0]\n"
+                 f"r = sandbox.run_tests({code!r}, [{{'input': ''}}] * 2)\n"
+                 "print(repr([x.stdout for x in r]), r[0].stderr, r[-1].error)\n")
+        out = subprocess.run([f"{d}/venv/bin/python", "-c", check], cwd=REPO, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.startswith(repr([f"{d}/venv\nkept\nkept\n"] * 2)), out.stdout
+
+
+def test_a_failing_bubblewrap_says_what_failed_and_what_to_do(tmp_path, monkeypatch):
+    """Installed but failing: not "install bubblewrap", but bwrap's own words and the remedy that fits."""
+    fake = tmp_path / "bwrap"
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    for said, remedy in (("Can't make symlink at /tmp: File exists", "please report the message above"),
+                         ("No permissions to creating new namespace", "refuses the namespaces bubblewrap needs")):
+        fake.write_text(f'#!/bin/sh\n[ "$1" = --version ] && echo bubblewrap 0.8.0 && exit 0\necho "bwrap: {said}" >&2\nexit 1\n')
+        fake.chmod(0o755)
+        text = sandbox._refusal(sandbox._probe())
+        assert f"bubblewrap ({fake}) is installed but could not build the sandbox: bwrap: {said}" in text, text
+        assert remedy in text and "Install bubblewrap" not in text, text
 
 
 def hostile(body: str, marker: str) -> str:
@@ -137,6 +177,93 @@ def test_many_files_disappear():
            "Wrong Answer")
 
 
+def test_a_reply_written_while_loading_scores_nothing():
+    """The program writes on the call channel before the server says it is ready: before, one call
+    expecting None scored 1.0 (a session that never became ready read as "returned None")."""
+    fake = "```python\nimport os\nos.write(4, b'{}\\n')\n```"
+    fake_value = "```python\nimport os\nos.write(4, b'{\"ready\": 1}\\n{\"value\": null}\\n')\n```"
+    rows = [[{"fn": "f", "args": [[1, 2, 3]], "expected": None}],
+            [{"fn": "Solution.m", "args": [[1, 2, 3]], "expected": None}],
+            [{"fn": "f", "args": [1], "expected": None}, {"fn": "f", "args": [2], "expected": None}]]
+    for response in (fake, fake_value):
+        for tests in rows:
+            r = code_reward(response, {"tests": tests}, False)
+            if response is fake_value and len(tests) == 1:  # it answered None itself, as `return None` would
+                continue
+            assert r.score == 0.0 and r.error == "" and r.feedback.startswith("Runtime Error"), (tests, r)
+
+
+def test_cpu_of_children_the_kernel_would_discard_counts():
+    """A child reaped by the kernel (SIGCHLD ignored, SA_NOCLDWAIT, the end of a pid namespace)
+    takes its CPU time with it: none of these can be set up, so every child's time is counted."""
+    burn = "t = time.process_time()\n        while time.process_time() - t < 0.4:\n            pass\n"
+    body = ("import signal\ntry:\n    signal.signal(signal.SIGCHLD, signal.SIG_IGN)\nexcept OSError:\n    pass\n"
+            "for _ in range(6):\n    if os.fork() == 0:\n        " + burn + "        os._exit(0)\n"
+            "    time.sleep(0.45)\nprint(3)\n")
+    attack(body, "Time Limit Exceeded\nThe program used more than 1 s of CPU time.", idle_seconds=2)
+    code = ("import ctypes, signal\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "for flags in (0x10000000, 0x20000000, 0x30000000):  # new user, pid namespaces\n"
+            "    print(libc.unshare(flags), ctypes.get_errno())\n"
+            "print(libc.syscall(435, None, 0), ctypes.get_errno())  # clone3: flags a filter cannot see\n"
+            "print(signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL)\n")
+    res = run_tests(code, [{"input": ""}], Limits(**FAST))
+    assert res[0].stdout == "-1 1\n" * 3 + "-1 38\nTrue\n", res[0]
+
+
+def test_a_parent_waiting_on_a_sleeping_vfork_child_is_idle():
+    """vfork leaves the parent in state D (as if reading the disk) until the child execs or exits."""
+    attack("import ctypes\nlibc = ctypes.CDLL(None)\nif libc.vfork() == 0:\n    libc.sleep(600)\n",
+           "Time Limit Exceeded\nThe program spent more than 1 s neither running nor ready", max_seconds=10)
+
+
+def test_memory_that_no_process_shows_is_refused_or_bounded():
+    """memfds and SysV segments hold memory outside every RSS; empty files hold kernel memory
+    outside every tmpfs size. Each program would print the answer after holding 768 MiB."""
+    memfd = "fds = []\nfor _ in range(48):\n    fds.append(os.memfd_create('x'))\n    os.write(fds[-1], b'x' * (16 << 20))\nprint(3)\n"
+    sysv = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmat.restype = ctypes.c_void_p\n"
+            "for _ in range(12):\n    sid = libc.shmget(0, 64 << 20, 0o1600)\n"
+            "    if sid < 0:\n        raise OSError(ctypes.get_errno(), 'shmget')\n"
+            "    a = libc.shmat(sid, None, 0)\n    ctypes.memset(a, 1, 64 << 20)\n    libc.shmdt(ctypes.c_void_p(a))\n"
+            "print(3)\n")
+    for body in (memfd, sysv):
+        attack(body, "Runtime Error\n", memory_mb=256)
+    attack("for i in range(20000):\n    open(f'/tmp/MARKER_{i}', 'w').close()\nprint(3)\n",
+           "Disk Limit Exceeded\nThe program created more than 10000 files")
+    res = run_tests("import resource\nprint(resource.getrlimit(resource.RLIMIT_NOFILE))", [{"input": ""}], Limits(**FAST))
+    assert res[0].stdout == "(64, 64)\n", res[0]  # what pipes and sockets can hold is bounded per process
+
+
+def test_what_reaches_the_trainer_is_bounded_by_the_row():
+    """A return value or an output far larger than expected is not parsed in the trainer (before:
+    +499 MiB for [[]] * 3_500_000, +452 MiB for 16 MiB on stdout and stderr); a large value that
+    is expected still passes."""
+    big = {"tests": [{"fn": "f", "args": [], "expected": list(range(100_000))}]}
+    assert code_reward("```python\ndef f():\n    return list(range(100_000))\n```", big, False) == Reward(1.0)
+    tracemalloc.start()
+    try:
+        r = code_reward("```python\ndef f(x):\n    return [[]] * 1_000_000\n```",
+                        {"tests": [{"fn": "f", "args": [1], "expected": [[]]}]}, False)
+        assert r.feedback.startswith("Output Limit Exceeded\nThe function returned a value far larger"), r
+        flood = "import sys\nfor f in (sys.stdout, sys.stderr):\n    f.buffer.write(bytes(range(256)) * (1 << 16))\n"
+        r = code_reward(f"```python\n{flood}```", ROW, False)
+        assert r.feedback.startswith("Wrong Answer"), r
+        assert tracemalloc.get_traced_memory()[1] < 8 << 20
+    finally:
+        tracemalloc.stop()
+
+
+def test_allocations_over_the_limit_are_memory_limit_exceeded():
+    """RLIMIT_AS refuses them: numpy raises its own MemoryError subclass, mmap an OSError (ENOMEM)."""
+    allocations = ["import mmap\nx = mmap.mmap(-1, 10**11)\n"]
+    if importlib.util.find_spec("numpy") is not None:
+        allocations.append("import numpy\nx = numpy.zeros(10**11)\n")
+    for alloc in allocations:
+        attack(alloc, "Memory Limit Exceeded\nThe program tried to use more than 512 MiB")
+        call = f"```python\ndef f(n):\n    {alloc.replace(chr(10), chr(10) + '    ')}return 1\n```"
+        r = code_reward(call, {"tests": [{"fn": "f", "args": [1], "expected": 1}]}, False)
+        assert r.feedback.startswith("Memory Limit Exceeded"), r
+
+
 # -----------------------------------------------------------------------------
 # processes
 
@@ -185,7 +312,8 @@ def test_cannot_read_the_dataset_the_project_or_home(tmp_path):
     dataset.write_text('{"tests": [{"input": "1 2\\n", "output": "3"}]}\n')
     os.chmod(tmp_path, 0o755)
     # the home directory may hold the Python installation (pyenv): that part is mounted, nothing else
-    home = [str(p) for p in Path.home().iterdir() if not str(Path(sys.prefix).resolve()).startswith(str(p))]
+    runtime = [str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix)]
+    home = [str(p) for p in Path.home().iterdir() if not any(r.startswith(str(p)) for r in runtime)]
     paths = [str(dataset), str(REPO / "data.py"), str(REPO), "/etc/passwd", "/work", "/home", *home]
     code = ("import os\n"
             f"for p in {paths!r}:\n"
