@@ -13,6 +13,7 @@ A *row* is a plain dict, the one currency between data, rewards and the training
     reward           name of the reward function in feedback/ ("math", "strops", ...)
     source           "file, row N" for error messages
 """
+import functools
 import gzip
 import hashlib
 import json
@@ -21,7 +22,9 @@ import random
 import re
 import shutil
 import string
+import sys
 import tempfile
+import zlib
 from dataclasses import dataclass
 
 from feedback.quiz import QUIZ_FEEDBACK, QUIZ_OPS
@@ -304,13 +307,23 @@ def column(record: dict, name: str):
 
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+# A JSONL line longer than this is refused before it is parsed, after reading at most this much
+# of it: a file without line breaks would otherwise be read whole into memory. Code datasets keep
+# their test inputs in the row, some of several MB, hence the room; the text a model reads has
+# its own, smaller limit (MAX_TEXT_CHARS).
+MAX_ROW_BYTES = 64 << 20
+# A prompt (all its messages) or teacher response longer than this is refused: training tokenizes
+# the whole text before cutting it to --data.max_prompt_len, and a 5 MB prompt took 10 s and
+# 1.6 GB there (the tiny model's tokenizer; 50 MB passed 10 GB). 1 Mi characters, some 250k
+# tokens, is more than any context this trains at.
+MAX_TEXT_CHARS = 1 << 20
 
 
 def _read_records(path: str):
     if path.endswith(JSONL_SUFFIXES):
         opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
+        with opener(path, "rb") as f:
+            for line_no, line in _lines(f, path):
                 if not line.strip():
                     continue
                 try:
@@ -321,11 +334,63 @@ def _read_records(path: str):
                     raise DataError(f"{path}, row {line_no}: expected a JSON object, got {type(record).__name__}")
                 yield line_no, record
     elif path.endswith(".parquet"):
-        import pyarrow.parquet as pq  # only needed for Parquet files
-        for i, record in enumerate(pq.read_table(path).to_pylist(), 1):
-            yield i, record
+        yield from _parquet_records(path)
     else:
         raise DataError(f"{path}: unsupported file type (use .jsonl, .jsonl.gz or .parquet)")
+
+
+def _lines(f, path: str):
+    """(line number, text) of each line of a binary file, each checked for its size (reading at
+    most MAX_ROW_BYTES of it) and its UTF-8 before anything parses it."""
+    line_no = 0
+    while True:
+        try:
+            line = f.readline(MAX_ROW_BYTES + 1)
+        except (EOFError, OSError, zlib.error) as e:  # a .gz file cut short or damaged, or not gzip at all
+            raise DataError(f"{path}, row {line_no + 1}: cannot be read ({e})") from None
+        if not line:
+            return
+        line_no += 1
+        if len(line) > MAX_ROW_BYTES and not line.endswith(b"\n"):
+            size = len(line)
+            while rest := f.readline(1 << 16):  # counted in chunks, never held whole
+                size += len(rest) - rest.endswith(b"\n")
+                if rest.endswith(b"\n"):
+                    break
+            raise DataError(f"{path}, row {line_no}: {size:,} bytes, over the limit of {MAX_ROW_BYTES:,} bytes a "
+                            f"row (data.MAX_ROW_BYTES)")
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}, row {line_no}: not UTF-8 (byte 0x{line[e.start]:02x} at column "
+                            f"{_column(e)}); save the file as UTF-8") from None
+        yield line_no, text
+
+
+def _column(e: UnicodeDecodeError) -> int:
+    """The 1-based character column of the byte that failed to decode."""
+    return len(e.object[:e.start].decode("utf-8")) + 1
+
+
+def _parquet_records(path: str):
+    """(row number, record) of each row, read a batch at a time: a string that is not UTF-8 is
+    looked for cell by cell in its batch only, and load_rows' limit stops the reading."""
+    import pyarrow.parquet as pq  # only needed for Parquet files
+    row_no = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        try:
+            records = batch.to_pylist()
+        except UnicodeDecodeError:  # a string column that is not UTF-8: find the cell
+            for i, name in ((i, name) for i in range(batch.num_rows) for name in batch.schema.names):
+                try:
+                    batch.column(name)[i].as_py()
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}, row {row_no + i + 1}, column '{name}': not UTF-8 (byte "
+                                    f"0x{e.object[e.start]:02x} at character {_column(e)} of a string)") from None
+            raise
+        for record in records:
+            row_no += 1
+            yield row_no, record
 
 
 def _check_messages(messages, where: str) -> list[dict]:
@@ -505,55 +570,87 @@ def load_rows(path: str, fields: str = "", reward: str = "math", limit: int = 0)
     tests: a list of tests (or its JSON string), see _check_test; uid: defaults to 'file:row';
     images: a list of image paths (relative to the file), bytes or {bytes, path} records, one
     for each <image> in a string prompt or each image part of the messages that carries no
-    picture itself. Files: .jsonl, .jsonl.gz, .parquet.
-    A malformed row, or an image that is missing or unreadable, raises DataError naming the
-    file, the row and the field.
+    picture itself. Files: .jsonl, .jsonl.gz, .parquet, in UTF-8.
+    A malformed row, a row over MAX_ROW_BYTES or a text over MAX_TEXT_CHARS, an image that is
+    missing or unreadable, or a uid two different rows share raises DataError naming the file,
+    the row and the field.
     """
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file")
     mapping = parse_field_map(fields)
-    rows = []
+    rows, by_uid = [], {}
     for row_no, record in _read_records(path):
-        def where(field):
-            return f"{path}, row {row_no}, field '{field}' (column '{mapping[field]}')"
-
-        prompt = column(record, mapping["prompt"])
-        if prompt is None:
-            raise DataError(f"{where('prompt')}: missing; the row has columns {sorted(record)}")
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _check_messages(prompt, where("prompt"))
-        messages, images = _attach_images(_split_placeholders(messages), column(record, mapping["images"]),
-                                          os.path.dirname(os.path.abspath(path)), where)
-        system = column(record, mapping["system"])
-        if system is not None:
-            if not isinstance(system, str):
-                raise DataError(f"{where('system')}: expected a string, got {type(system).__name__}")
-            messages = [{"role": "system", "content": system}] + [m for m in messages if m["role"] != "system"]
-        optional = {}
-        for field in ("answer", "teacher_response"):
-            value = column(record, mapping[field])
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                value = str(value)
-            if value is not None and not isinstance(value, str):
-                raise DataError(f"{where(field)}: expected a string, got {type(value).__name__}")
-            optional[field] = value
-        tests = column(record, mapping["tests"])
-        uid = column(record, mapping["uid"])
-        rows.append({
-            "uid": str(uid) if uid is not None else f"{os.path.basename(path)}:{row_no}",
-            "messages": messages,
-            "answer": optional["answer"],
-            "tests": None if tests is None else _check_tests(tests, where("tests")),
-            "teacher_response": optional["teacher_response"],
-            "reference": optional["teacher_response"],
-            "reward": reward,
-            "source": f"{path}, row {row_no}",
-            **({"images": images} if images else {}),
-        })
+        row = _file_row(record, path, row_no, mapping, reward)
+        if _new_uid(row, by_uid):
+            rows.append(row)
         if limit and len(rows) == limit:
             break
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
+
+
+def _file_row(record: dict, path: str, row_no: int, mapping: dict, reward: str) -> dict:
+    """The row of one record of a data file (see load_rows)."""
+    def where(field):
+        return f"{path}, row {row_no}, field '{field}' (column '{mapping[field]}')"
+
+    prompt = column(record, mapping["prompt"])
+    if prompt is None:
+        raise DataError(f"{where('prompt')}: missing; the row has columns {sorted(record)}")
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _check_messages(prompt, where("prompt"))
+    messages, images = _attach_images(_split_placeholders(messages), column(record, mapping["images"]),
+                                      os.path.dirname(os.path.abspath(path)), where)
+    system = column(record, mapping["system"])
+    if system is not None:
+        if not isinstance(system, str):
+            raise DataError(f"{where('system')}: expected a string, got {type(system).__name__}")
+        messages = [{"role": "system", "content": system}] + [m for m in messages if m["role"] != "system"]
+    optional = {}
+    for field in ("answer", "teacher_response"):
+        value = column(record, mapping[field])
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)
+        if value is not None and not isinstance(value, str):
+            raise DataError(f"{where(field)}: expected a string, got {type(value).__name__}")
+        optional[field] = value
+    prompt_chars = sum(len(m["content"]) if isinstance(m["content"], str) else
+                       sum(len(p.get("text", "")) for p in m["content"]) for m in messages)
+    for field, size in (("prompt", prompt_chars), ("teacher_response", len(optional["teacher_response"] or ""))):
+        if size > MAX_TEXT_CHARS:
+            raise DataError(f"{where(field)}: {size:,} characters, over the limit of {MAX_TEXT_CHARS:,} "
+                            f"(data.MAX_TEXT_CHARS)")
+    tests = column(record, mapping["tests"])
+    uid = column(record, mapping["uid"])
+    return {
+        "uid": str(uid) if uid is not None else f"{os.path.basename(path)}:{row_no}",
+        "messages": messages,
+        "answer": optional["answer"],
+        "tests": None if tests is None else _check_tests(tests, where("tests")),
+        "teacher_response": optional["teacher_response"],
+        "reference": optional["teacher_response"],
+        "reward": reward,
+        "source": f"{path}, row {row_no}",
+        **({"images": images} if images else {}),
+    }
+
+
+def _new_uid(row: dict, by_uid: dict) -> bool:
+    """Whether to keep row: a uid not seen before. Rollouts are grouped by uid, so two prompts
+    under one uid would be one group: each prompt's teacher shown the other's answers as
+    demonstrations, GRPO's advantages taken over both. That is a DataError. An exact copy of an
+    earlier row is dropped with a warning: it carries nothing the first does not; kept, it would
+    join the first's group whenever both are drawn (and siblings are paired by uid and sample
+    index), and stopping would refuse a file that merely repeats rows (shards concatenated twice)."""
+    first = by_uid.setdefault(row["uid"], row)
+    if first is row:
+        return True
+    if {k: v for k, v in first.items() if k != "source"} != {k: v for k, v in row.items() if k != "source"}:
+        raise DataError(f"{row['source']}, field 'uid': {row['uid']!r} is also the uid of {first['source']}, a "
+                        f"different row; rollouts are grouped by uid, so each prompt needs its own (a row "
+                        f"without a uid gets 'file:row')")
+    print(f"warning: {row['source']} repeats {first['source']} (uid {row['uid']!r}): dropped", file=sys.stderr)
+    return False
 
 
 HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole program (imports, helper "
@@ -864,6 +961,29 @@ def tiny_model_dir(cfg: TinyModelConfig | None = None, cache_dir: str | None = N
     return _cached_build("tiny", build_tiny_model, cfg or TinyModelConfig(), TINY_RECIPE_VERSION, cache_dir)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+MODEL_DIR = ("a model directory holds config.json, a tokenizer (tokenizer.json, tokenizer_config.json or "
+             "tokenizer.model) and weights (*.safetensors or *.bin), as save_pretrained writes them")
+
+
+def check_model_dir(path: str, flag: str = "--model.path") -> str:
+    """path, if it looks like a local model directory; else an error naming the flag, the path
+    and what is missing. (Transformers, given a directory without a tokenizer, complains about
+    sentencepiece and names no directory.)"""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{flag} {path}: no such directory; {MODEL_DIR}")
+    if not os.path.isdir(path):
+        raise DataError(f"{flag} {path}: not a directory; {MODEL_DIR}")
+    names = os.listdir(path)
+    missing = [what for what, found in (
+        ("config.json", "config.json" in names),
+        ("tokenizer file", any(n in names for n in TOKENIZER_FILES)),
+        ("weights", any(n.endswith((".safetensors", ".bin")) for n in names))) if not found]
+    if missing:
+        raise DataError(f"{flag} {path}: no {', no '.join(missing)}; {MODEL_DIR}")
+    return path
+
+
 # ----------------------------------------------------------------------------------------
 # The tiny vision-language model: a Qwen2.5-VL with the tiny text model's dimensions, a
 # two-block vision tower, the BPE also trained on the picture task's text, and Qwen's image
@@ -1046,3 +1166,66 @@ class ImagePrompts:
             return ImageInputs(ids, torch.zeros(0), torch.zeros(0, 3, dtype=torch.long), mask)
         inputs = self.pixel_inputs([mask], [images])
         return ImageInputs(ids, inputs["pixel_values"], inputs["image_grid_thw"], mask)
+
+
+# ----------------------------------------------------------------------------------------
+# The prompts of a step. Every random stream of a run derives from --train.seed and a step (or
+# epoch), so that a resumed run repeats an uninterrupted one. Each purpose scales the seed by its
+# own stride, so that streams of different purposes and seeds do not coincide.
+
+
+SEED_STRIDE = {"prompts": 7919, "generation": 1000, "shuffle": 1000003, "references": 15485863}
+
+
+def stream_seed(purpose: str, seed: int, index: int) -> int:
+    return seed * SEED_STRIDE[purpose] + index
+
+
+def batch_rows(rows: list, step: int, n: int, seed: int) -> list:
+    """The prompts of a step: epochs of seeded permutations, so a resumed run sees the same order."""
+    start = step * n
+    return [rows[epoch_order(len(rows), seed, epoch)[offset]]
+            for epoch, offset in (divmod(start + i, len(rows)) for i in range(n))]
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(n_rows: int, seed: int, epoch: int) -> tuple:
+    # cached: shuffling a 7,000-row list per prompt took a tenth of the warm start
+    order = list(range(n_rows))
+    random.Random(stream_seed("prompts", seed, epoch)).shuffle(order)
+    return tuple(order)
+
+
+def read_rows(cfg, announce: bool = False):
+    """A data file without --data.eval_path is split by a hash of each row's uid,
+    --data.heldout_percent held out; announce says so (users have trained on 90% of a file
+    without knowing)."""
+    d = cfg.data
+    if d.reward == "code" or d.allow_weak_sandbox:  # refuse a sandbox that cannot isolate, before any work
+        from feedback import sandbox
+        sandbox.require_isolation(d.allow_weak_sandbox)
+    if d.task in TASKS:
+        held_out = task_rows(d.task, "test", d.eval_rows, cfg=d, at_most=True)
+        if announce and len(held_out) < d.eval_rows:
+            print(f"data: {d.task} has {len(held_out)} distinct held-out rows at this difficulty, fewer than "
+                  f"--data.eval_rows={d.eval_rows}: evaluating all of them", file=sys.stderr)
+        return task_rows(d.task, "train", d.train_rows, seed=cfg.train.seed, cfg=d), held_out
+    rows = load_rows(d.task, d.fields, d.reward or "math")
+    if d.eval_path:
+        held_out = load_rows(d.eval_path, d.fields, d.reward or "math", limit=d.eval_rows)
+        if announce:
+            print(f"data: {len(rows)} training rows from {d.task}, {len(held_out)} held-out rows from {d.eval_path}",
+                  file=sys.stderr)
+        return rows, held_out
+    split = lambda r: split_of(r["uid"], d.heldout_percent)
+    train_rows, held_out = [r for r in rows if split(r) == "train"], [r for r in rows if split(r) == "test"]
+    if announce:
+        print(f"data: {d.task} has {len(rows)} rows: {len(train_rows)} train, {len(held_out)} held out for "
+              f"evaluation (a hash of each uid, --data.heldout_percent={d.heldout_percent}"
+              f"{f'; evaluating the first --data.eval_rows={d.eval_rows}' if len(held_out) > d.eval_rows else ''}). "
+              f"Pass --data.eval_path FILE to evaluate on a file of your own instead.", file=sys.stderr)
+    if not train_rows or not held_out:
+        raise DataError(f"{d.task}: the {len(rows)} rows split into {len(train_rows)} train and {len(held_out)} "
+                             f"held out (--data.heldout_percent={d.heldout_percent}); both must be non-empty: "
+                             f"add rows, change --data.heldout_percent, or pass --data.eval_path")
+    return train_rows, held_out[:d.eval_rows]

@@ -692,6 +692,155 @@ def test_parse_field_map():
     assert set(mapping) == set(data.FIELDS)
 
 
+# Bad input fails while the file is read, naming the file, the row and the field.
+
+
+def test_a_byte_that_is_not_utf8_names_file_row_and_column(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b'{"prompt": "fine"}\n\n{"prompt": "caf\xe9 au lait"}\n')
+    with pytest.raises(DataError) as info:
+        data.load_rows(str(path))
+    assert str(info.value) == f"{path}, row 3: not UTF-8 (byte 0xe9 at column 16); save the file as UTF-8"
+    # the column counts characters, as an editor does: the two-byte ü before it is one
+    path = tmp_path / "train.jsonl.gz"
+    with gzip.open(path, "wb") as f:
+        f.write('{"prompt": "ü'.encode() + b'\xff"}\n')
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}, row 1: not UTF-8 \(byte 0xff at column 14\)"):
+        data.load_rows(str(path))
+
+
+def test_a_damaged_gzip_file_names_file_and_row(tmp_path):
+    whole = gzip.compress(b"".join(json.dumps({"prompt": f"q{i}"}).encode() + b"\n" for i in range(5000)))
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(whole[:len(whole) // 2])  # a download cut short
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}, row \d+: cannot be read \(Compressed file ended"):
+        data.load_rows(str(path))
+    path = tmp_path / "plain.jsonl.gz"
+    path.write_text('{"prompt": "p"}\n')  # not compressed at all
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}, row 1: cannot be read \(Not a gzipped file"):
+        data.load_rows(str(path))
+
+def test_a_parquet_string_that_is_not_utf8_names_file_row_and_column(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    # pyarrow checks UTF-8 when it builds a string column from Python, not when it reads one from
+    # a file: build the column from its buffers, as another writer would have stored it
+    texts = [b"ok"] * 1100
+    texts[1049] = b"caf\xe9"
+    offsets = pa.array([sum(map(len, texts[:i])) for i in range(len(texts) + 1)], pa.int32()).buffers()[1]
+    prompts = pa.Array.from_buffers(pa.string(), len(texts), [None, offsets, pa.py_buffer(b"".join(texts))])
+    path = str(tmp_path / "bad.parquet")
+    pq.write_table(pa.table({"answer": ["1"] * len(texts), "prompt": prompts}), path)
+    with pytest.raises(DataError) as info:
+        data.load_rows(path)  # row 1050: in the second batch of rows read
+    assert str(info.value) == f"{path}, row 1050, column 'prompt': not UTF-8 (byte 0xe9 at character 4 of a string)"
+
+
+def test_an_overlong_row_is_refused_before_it_is_parsed_or_read_whole(tmp_path, monkeypatch):
+    import tracemalloc
+    monkeypatch.setattr(data, "MAX_ROW_BYTES", 1000)
+    big = {"prompt": "p", "tests": [{"input": "x" * 4_000_000, "output": ""}]}
+    path = _write_jsonl(tmp_path / "big.jsonl", [{"prompt": "ok"}, big, {"prompt": "after"}])
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError) as info:
+            data.load_rows(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(info.value) == (f"{path}, row 2: {len(json.dumps(big)):,} bytes, over the limit of 1,000 bytes a "
+                               f"row (data.MAX_ROW_BYTES)")
+    assert peak < 1_000_000  # read in chunks: the 4 MB line was never held whole
+    # the limit counts the row's bytes, its line break left out; a last line may have none
+    for line in ("", "\n"):
+        for size, ok in ((1000, True), (1001, False)):
+            with open(path, "w") as f:
+                f.write(json.dumps({"prompt": "x" * (size - 14)}) + line)
+            if ok:
+                assert len(data.load_rows(path)) == 1
+            else:
+                with pytest.raises(DataError, match="1,001 bytes, over the limit of 1,000"):
+                    data.load_rows(path)
+
+
+@pytest.mark.parametrize("name", ["t.jsonl", "t.parquet"])
+@pytest.mark.parametrize("field", ["prompt", "teacher_response"])
+def test_an_overlong_text_names_file_row_field_and_limit(tmp_path, monkeypatch, name, field):
+    monkeypatch.setattr(data, "MAX_TEXT_CHARS", 100)
+    rows = [{"prompt": "ok", "teacher_response": "fine"}, {"prompt": "p", "teacher_response": "r", field: "x" * 101}]
+    path, msg = _error(tmp_path, rows, name=name)
+    assert msg == f"{path}, row 2, field '{field}' (column '{field}'): 101 characters, over the limit of 100 " \
+                  "(data.MAX_TEXT_CHARS)"
+    # a prompt's text is all its messages', the system message's too
+    messages = [{"role": "user", "content": "x" * 30}, {"role": "assistant", "content": "x" * 30},
+                {"role": "user", "content": [{"type": "text", "text": "x" * 30}]}]
+    assert len(data.load_rows(_write_jsonl(tmp_path / "ok.jsonl", [{"prompt": messages, "system": "x" * 10}]))) == 1
+    path, msg = _error(tmp_path, [{"prompt": messages, "system": "x" * 11}])
+    assert msg.startswith(f"{path}, row 1, field 'prompt' (column 'prompt'): 101 characters")
+
+
+def test_a_prompt_over_the_default_text_limit_is_refused(tmp_path):
+    path, msg = _error(tmp_path, [{"prompt": "x" * (data.MAX_TEXT_CHARS + 1)}])
+    assert msg.startswith(f"{path}, row 1, field 'prompt' (column 'prompt'): 1,048,577 characters")
+
+
+@pytest.mark.parametrize("name", ["bad.jsonl", "bad.parquet"])
+def test_two_rows_with_one_uid_are_refused_naming_both_rows(tmp_path, name):
+    """Rollouts are grouped by uid: two prompts under one would share demonstrations and advantages."""
+    rows = [{"uid": "q1", "prompt": "What is 2 + 2?", "answer": "4"}, {"uid": "q2", "prompt": "x", "answer": "1"},
+            {"uid": "q1", "prompt": "What is 3 + 3?", "answer": "6"}]
+    path, msg = _error(tmp_path, rows, name=name)
+    assert msg.startswith(f"{path}, row 3, field 'uid': 'q1' is also the uid of {path}, row 1, a different row")
+    # one prompt with another answer is still another row
+    path, msg = _error(tmp_path, [rows[0], {**rows[0], "answer": "5"}], name=name)
+    assert msg.startswith(f"{path}, row 2, field 'uid': 'q1' is also the uid of {path}, row 1")
+
+
+def test_a_generated_uid_never_collides(tmp_path):
+    # rows without a uid get file:row, distinct even for one prompt written twice
+    rows = data.load_rows(_write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p"}, {"prompt": "p"}]))
+    assert [r["uid"] for r in rows] == ["d.jsonl:1", "d.jsonl:2"]
+    # a file's own uid that equals a generated one, or 7 and "7", is caught as a shared uid
+    path, msg = _error(tmp_path, [{"uid": "bad.jsonl:2", "prompt": "a"}, {"prompt": "b"}])
+    assert msg.startswith(f"{path}, row 2, field 'uid': 'bad.jsonl:2' is also the uid of {path}, row 1")
+    path, msg = _error(tmp_path, [{"uid": 7, "prompt": "a"}, {"uid": "7", "prompt": "b"}])
+    assert msg.startswith(f"{path}, row 2, field 'uid': '7' is also the uid of {path}, row 1")
+
+
+def test_an_exact_copy_of_a_row_is_dropped_with_a_warning(tmp_path, capsys):
+    row = {"uid": "a", "prompt": "p", "answer": "1", "tests": [{"input": "x", "output": "y"}]}
+    path = _write_jsonl(tmp_path / "d.jsonl", [row, {**row, "uid": "b"}, row, {**row, "uid": "c"}])
+    assert [r["uid"] for r in data.load_rows(path)] == ["a", "b", "c"]
+    assert f"warning: {path}, row 3 repeats {path}, row 1 (uid 'a'): dropped" in capsys.readouterr().err
+    assert [r["uid"] for r in data.load_rows(path, limit=3)] == ["a", "b", "c"]  # the limit counts rows kept
+
+
+def test_check_model_dir_names_the_path_and_what_is_missing(tmp_path, tiny_dir):
+    assert data.check_model_dir(tiny_dir) == tiny_dir
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=rf"^--model.path {re.escape(missing)}: no such directory; "
+                                                r"a model directory holds config.json"):
+        data.check_model_dir(missing)
+    (tmp_path / "model.safetensors").write_text("")
+    with pytest.raises(DataError, match=r"^--teacher.path \S+model.safetensors: not a directory"):
+        data.check_model_dir(str(tmp_path / "model.safetensors"), "--teacher.path")
+    model = tmp_path / "model"
+    model.mkdir()
+    for name, still_missing in (("README.md", "config.json, no tokenizer file, no weights"),
+                                ("config.json", "tokenizer file, no weights"),
+                                ("tokenizer.model", "weights"),
+                                ("model.safetensors.index.json", "weights")):  # an index is not the weights
+        (model / name).write_text("{}")
+        with pytest.raises(DataError) as info:
+            data.check_model_dir(str(model))
+        assert str(info.value) == f"--model.path {model}: no {still_missing}; {data.MODEL_DIR}"
+    for weights in ("model-00001-of-00002.safetensors", "pytorch_model.bin"):
+        shard = model / weights
+        shard.write_text("")
+        assert data.check_model_dir(str(model)) == str(model)
+        shard.unlink()
+
+
 # -----------------------------------------------------------------------------
 # chat templating and truncation
 
