@@ -1,4 +1,4 @@
-"""GAD's discriminator (SPEC section 6): a copy of the student's backbone with a scalar head.
+"""GAD's discriminator (the GAD paper, arXiv 2511.10643): a copy of the student's backbone with a scalar head.
 
 D(prompt, response) = w · h_last + b, where h_last is the backbone's final hidden state at the
 sequence's last real token (its EOS for a finished response). It is a network of its own beside

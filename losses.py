@@ -1,8 +1,9 @@
 """
 Loss functions for SDPO, GRPO, GSPO, DPO and GAD, as pure functions of tensors.
 
-The contract for every formula, default and edge case is /work/shared/SPEC.md
-(sections 3, 4 and 6); section numbers in the docstrings below refer to it.
+Each docstring states its formula; docs/loop.md gathers them with the papers they come from
+(SDPO: arXiv 2601.20802, its section 4.5 for the lambda-hybrid; GSPO: arXiv 2507.18071; GAD:
+arXiv 2511.10643).
 Shape letters: B sequences, L response positions, V vocabulary, K top-K size,
 S a support size (V, K or K+1), H hidden size, N flattened tokens, P pairs/prompts.
 
@@ -32,7 +33,7 @@ def token_logprobs(logits, token_ids, temperature=1.0):
 
     logits [..., V], token_ids [...] (int64) -> [...] in the logits' dtype.
     Written as gather minus logsumexp so that no second [..., V] log-softmax tensor is
-    kept for backward. Use the same temperature as the sampler (SPEC section 3).
+    kept for backward. Use the same temperature as the sampler.
     """
     if temperature != 1.0:
         logits = logits / temperature
@@ -71,7 +72,7 @@ def logprobs_and_entropy_from_hidden(hidden, weight, targets, temperature=1.0, c
 
 
 # -----------------------------------------------------------------------------
-# SDPO distillation (SPEC section 3)
+# SDPO distillation
 
 
 def _kl_from_logprobs(logp, logq):
@@ -133,7 +134,7 @@ def _support_logprobs(top_logits, full_logsumexp, add_tail):
 
 def topk_with_tail(student_logits, teacher_logits, k, add_tail=True, temperature=1.0):
     """
-    Restrict student and teacher to the student's top-K ids per position (SPEC sec. 3).
+    Restrict student and teacher to the student's top-K ids per position.
 
     student_logits, teacher_logits [..., V] (raw logits; divided by temperature here).
     Returns (student_support_logprobs, teacher_support_logprobs, topk_ids):
@@ -184,7 +185,7 @@ def _masked_sequence_mean(values, mask):
 
 def importance_weights(logprobs, old_logprobs, cap, level="token", mask=None, sequence_reduction="mean"):
     """
-    Truncated importance weights, always detached (SPEC section 3).
+    Truncated importance weights, always detached.
 
         token:    w_t = min(exp(clamp(logp_t - old_t, -20, 20)), cap)          [B, L]
         sequence: w_i = min(exp(clamp(mean_t (logp_t - old_t), -20, 20)), cap)
@@ -193,10 +194,10 @@ def importance_weights(logprobs, old_logprobs, cap, level="token", mask=None, se
     logprobs, old_logprobs [B, L]; mask [B, L] is required for level="sequence".
     For the SDPO IS clip pass (S_tok, old_tok); for rollout correction pass
     (old_tok, rollout_tok).
-    Sequence level uses the *mean* log ratio by default (SPEC section 9, "sequence
+    Sequence level uses the *mean* log ratio by default (a known pitfall, "sequence
     ratios as means not sums"): a sum grows with length, so long responses would sit
     at the cap or near 0 whatever their per-token mismatch. sequence_reduction="sum"
-    gives SPEC section 3's summed form (the reference implementation's) if wanted.
+    gives the summed form (the reference implementation's) if wanted.
     A sequence with an empty mask gets weight 1. Masked positions are not zeroed here:
     multiply by the mask (or let aggregate do it).
     """
@@ -220,7 +221,7 @@ def importance_weights(logprobs, old_logprobs, cap, level="token", mask=None, se
 
 def grpo_advantages(rewards, group_ids, norm_by_std=True, eps=1e-6):
     """
-    GRPO advantage per sample (SPEC section 6):
+    GRPO advantage per sample:
 
         A_i = (r_i - mean_g) / (std_g + eps)   (unbiased std over the group g of i)
         A_i =  r_i - mean_g                    (norm_by_std=False, Dr. GRPO)
@@ -250,7 +251,7 @@ def grpo_advantages(rewards, group_ids, norm_by_std=True, eps=1e-6):
 
 def hybrid_advantages(grpo_adv, teacher_token_logprobs, student_token_logprobs, lam):
     """
-    lambda-hybrid per-token advantage (paper section 4.5, SPEC section 6):
+    lambda-hybrid per-token advantage (paper section 4.5):
 
         A_t = lam * A_GRPO + (1 - lam) * (T_tok - S_tok)
 
@@ -282,7 +283,7 @@ def _broadcast_advantages(advantages, like):
 
 def ppo_clip_loss(logprobs, old_logprobs, advantages, eps_low=0.2, eps_high=0.2):
     """
-    PPO clipped surrogate per token (GRPO/DAPO, SPEC section 6):
+    PPO clipped surrogate per token (GRPO/DAPO):
 
         ratio_t = exp(logp_t - old_t)             (log ratio clamped to +-20)
         loss_t  = max(-A_t ratio_t, -A_t clip(ratio_t, 1-eps_low, 1+eps_high))
@@ -299,7 +300,7 @@ def ppo_clip_loss(logprobs, old_logprobs, advantages, eps_low=0.2, eps_high=0.2)
 
 def gspo_loss(logprobs, old_logprobs, advantages, mask, eps_low=3e-4, eps_high=4e-4):
     """
-    GSPO sequence-level clipped surrogate in token form (SPEC section 6):
+    GSPO sequence-level clipped surrogate in token form:
 
         s_i     = exp(mean_t (logp_t - old_t))       masked mean over sequence i
         ratio_t = exp(logp_t - sg(logp_t) + sg(log s_i))   (value s_i, grad s_i * grad logp_t)
@@ -322,7 +323,7 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, eps_low=3e-4, eps_high=4
 
 def kl_estimate(logprobs, ref_logprobs, kind="k3"):
     """
-    Per-token KL(pi || ref) estimate from sampled tokens, d = logp - ref (SPEC sec. 6):
+    Per-token KL(pi || ref) estimate from sampled tokens, d = logp - ref:
 
         k1   d
         abs  |d|
@@ -373,7 +374,7 @@ def dpo_loss(
     reference_free=False,
 ):
     """
-    DPO family per pair (SPEC section 6). Inputs [P]: summed response log-probs of the
+    DPO family per pair. Inputs [P]: summed response log-probs of the
     chosen / rejected responses under the policy and the reference.
 
         logits = (pi_c - pi_r) - (ref_c - ref_r)        (ref term dropped if reference_free)
@@ -414,7 +415,7 @@ def dpo_loss(
 
 def discriminator_loss(teacher_scores, student_scores):
     """
-    GAD discriminator Bradley-Terry loss (SPEC section 6), each teacher response paired
+    GAD discriminator Bradley-Terry loss, each teacher response paired
     with every student sample of its prompt:
 
         loss = mean_{p, j} -logsigmoid(D_teacher[p] - D_student[p, j])
@@ -432,7 +433,7 @@ def discriminator_loss(teacher_scores, student_scores):
 
 
 # -----------------------------------------------------------------------------
-# aggregation (SPEC section 4)
+# aggregation
 
 
 def global_counts(mask):
@@ -448,7 +449,7 @@ def global_counts(mask):
 
 def aggregate(per_token_loss, mask, mode, global_tokens=None, global_sequences=None, max_len=None):
     """
-    Reduce a per-token loss [B, L] under a 0/1 mask [B, L] to a scalar (SPEC section 4):
+    Reduce a per-token loss [B, L] under a 0/1 mask [B, L] to a scalar:
 
         token-mean               sum(loss * mask) / num_tokens
         seq-mean-token-sum       sum_i (sum_t loss_it mask_it) / num_sequences
@@ -735,19 +736,9 @@ def _new_grads(ctx, student_hidden, student_weight, work_dtype):
     return grad_hidden, grad_weight, weight_scratch
 
 
-def sdpo_topk_loss_from_hidden(
-    student_hidden,
-    student_lm_head_weight,
-    teacher_hidden,
-    teacher_lm_head_weight=None,
-    k=100,
-    alpha=0.5,
-    add_tail=True,
-    temperature=1.0,
-    chunk_size=512,
-    teacher_mix=0.0,
-    token_weights=None,
-):
+def sdpo_topk_loss_from_hidden(student_hidden, student_lm_head_weight, teacher_hidden, teacher_lm_head_weight=None,
+                               k=100, alpha=0.5, add_tail=True, temperature=1.0, chunk_size=512, teacher_mix=0.0,
+                               token_weights=None):
     """
     Top-K SDPO divergence computed from hidden states without materialising [N, V]
     logits. Equals, in value and gradient,
@@ -760,8 +751,8 @@ def sdpo_topk_loss_from_hidden(
     W_s [V, H]; teacher_hidden [N, H] and teacher_lm_head_weight W_t [V, H] (an EMA
     teacher has its own head; None = W_s). No bias term. teacher_mix = r mixes the
     teacher logits with the student's own, at the same rows: lerp(teacher,
-    student.detach(), r). That is SPEC's trust-region teacher only when the student's
-    logits there are those of the teacher context; run.py instead passes the exact
+    student.detach(), r). That is the paper's trust-region teacher only when the student's
+    logits there are those of the teacher context; objectives.py instead passes the exact
     trust-region teacher as concatenated hidden states and heads (teacher.py). The
     teacher side never gets a gradient. Logits are computed chunk_size rows at a time in
     float32 (float64 for float64 inputs); bf16/fp16 inputs get bf16/fp16 matmuls.
@@ -783,19 +774,9 @@ def sdpo_topk_loss_from_hidden(
         teacher_lm_head_weight = student_lm_head_weight
     if token_weights is not None:
         token_weights = token_weights.detach()
-    return _TopKDistillFromHidden.apply(
-        student_hidden,
-        student_lm_head_weight,
-        teacher_hidden.detach(),
-        teacher_lm_head_weight.detach(),
-        token_weights,
-        k,
-        alpha,
-        add_tail,
-        temperature,
-        chunk_size,
-        teacher_mix,
-    )
+    return _TopKDistillFromHidden.apply(student_hidden, student_lm_head_weight, teacher_hidden.detach(),
+                                        teacher_lm_head_weight.detach(), token_weights, k, alpha, add_tail,
+                                        temperature, chunk_size, teacher_mix)
 
 
 # -----------------------------------------------------------------------------

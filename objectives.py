@@ -236,7 +236,7 @@ def old_or_current(mb: MicroBatch, current_logprobs: torch.Tensor) -> torch.Tens
 
 
 def engine_correction(mb: MicroBatch, old_logprobs: torch.Tensor, cfg) -> torch.Tensor:
-    """Truncated IS weights [B, R] for the engine-vs-trainer mismatch (SPEC section 3):
+    """Truncated IS weights [B, R] for the engine-vs-trainer mismatch:
     min(exp(old - rollout), --rollout.is_cap), token or sequence level; 1 when off."""
     if not cfg.rollout.is_correction:
         return torch.ones(mb.packed.shape, device=mb.device)
@@ -273,7 +273,7 @@ def aggregate(mb: MicroBatch, per_token_loss: torch.Tensor, mask: torch.Tensor, 
 
 
 def prepare_advantages(rollouts: list, tokenizer, cfg) -> dict:
-    """GRPO advantages per sample (SPEC section 6): reward minus its group's mean (Dr. GRPO,
+    """GRPO advantages per sample (docs/loop.md): reward minus its group's mean (Dr. GRPO,
     the SDPO runs' choice), or divided by the group's std with --algo.norm_adv_by_std."""
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
     advantages = losses.grpo_advantages(rewards, [r.row["uid"] for r in rollouts], norm_by_std=cfg.algo.norm_adv_by_std)
@@ -321,7 +321,7 @@ def gspo_loss(mb: MicroBatch, models: Models, cfg):
 
 def prepare_teacher_contexts(rollouts: list, tokenizer, cfg) -> dict:
     """Each rollout's teacher input ids and self-distillation mask (sdpo.build_teacher_batch,
-    SPEC section 2), and per-group diagnostics: success with and without a successful
+    sdpo.py), and per-group diagnostics: success with and without a successful
     sibling (a sample's own success excluded), which say where the demonstration signal is."""
     batch = sdpo.build_teacher_batch(tokenizer, [r.row for r in rollouts], [r.response_ids for r in rollouts],
                                      [r.text for r in rollouts], [r.reward for r in rollouts],
@@ -405,7 +405,7 @@ def teacher_hidden_for(mb: MicroBatch, models: Models, cfg) -> torch.Tensor:
 
 
 def sdpo_head(mb: MicroBatch, models: Models, cfg, teacher_hidden: torch.Tensor):
-    """Head computing the per-token distillation loss [N] (SPEC section 3) from the student's
+    """Head computing the per-token distillation loss [N] (losses.py) from the student's
     and teacher's hidden states, plus the student's detached token log-probs and entropy,
     and the teacher's token log-probs and entropy (diagnostics)."""
     sd, temperature, targets = cfg.sdpo, cfg.rollout.temperature, mb.packed.targets
@@ -504,7 +504,7 @@ def sft_loss(mb: MicroBatch, models: Models, cfg):
 
 # ----------------------------------------------------------------------------------------
 # DPO (online, and SPIN): preference pairs among a prompt's samples, or the row's reference
-# response over each sample, against a frozen reference model (SPEC section 6)
+# response over each sample, against a frozen reference model
 
 
 def preference_pairs(rewards: list, mode: str) -> tuple[list, int]:
@@ -650,7 +650,7 @@ def dpo_loss(mb: MicroBatch, models: Models, cfg):
 
 # ----------------------------------------------------------------------------------------
 # GAD: on-policy distillation from a black-box teacher's text, a discriminator as the reward
-# (SPEC section 6, arXiv 2511.10643). Per step: the student samples n responses per prompt;
+# (arXiv 2511.10643). Per step: the student samples n responses per prompt;
 # the discriminator, trained with the Bradley–Terry loss to score the teacher's response above
 # every student sample of its prompt, scores them with its weights before this step's update
 # (the rewards); GRPO advantages; PPO-clip or GSPO plus a KL to the frozen initial policy.
@@ -721,8 +721,7 @@ def gad_rewards(rollouts: list, models: Models, cfg, pad_id: int, d: Dist) -> di
         if cfg.algo.kl_in_reward:
             rewards -= kl_coef * torch.tensor(sequence_kl, dtype=torch.float64)
             metrics["gad/reward_kl"] = sum(sequence_kl) / max(len(sequence_kl), 1)
-    norm = True if cfg.algo.norm_adv_by_std is None else cfg.algo.norm_adv_by_std
-    advantages = losses.grpo_advantages(rewards, [r.row["uid"] for r in samples], norm_by_std=norm)
+    advantages = losses.grpo_advantages(rewards, [r.row["uid"] for r in samples], norm_by_std=cfg.gad.norm_adv_by_std)
     for r, a in zip(samples, advantages.tolist()):
         r.advantage = a
     for r in rollouts:

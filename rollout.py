@@ -18,6 +18,7 @@ engine expands each image token to the picture's patch count; a Sample's prompt_
 the expanded ids, which data.ImagePrompts rebuilds for the trainer.
 """
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -28,6 +29,16 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
+import data
+import feedback
+import losses
+import objectives
+from objectives import Dist, Rollout
+from config import Config
+from policy import CausalLM, pad_token_id
+from teacher import reshard
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
@@ -147,12 +158,25 @@ def _checkpoint_keys(model_dir: str) -> set[str]:
     return keys
 
 
+def _cpu_engine_args(model_dir: str, dtype: str, max_model_len: int, kv_cache_tokens: int) -> dict:
+    """vLLM's arguments for a CPU engine. A seeded request caught mid-way through a chunked
+    prefill makes vLLM rewind its torch.Generator, which CPU generators cannot do ("CPU
+    Generator does not use offset"): whole prompts are prefilled instead."""
+    args = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
+    if kv_cache_tokens:
+        # vLLM holds one block back (its null block): without headroom a cache of exactly
+        # max_model_len tokens is refused ("estimated maximum model length is 1920")
+        tokens = max(kv_cache_tokens, max_model_len) + KV_HEADROOM_TOKENS
+        args["kv_cache_memory_bytes"] = tokens * kv_bytes_per_token(model_dir, dtype)
+    return args
+
+
 class Engine:
     """A vLLM engine driven by rank 0.
 
     own_process: None chooses in-process for a single colocated process on a GPU and an
     engine-core process otherwise (always on CPU). dtype "float32" makes the engine match a float32 trainer to ~1e-4;
-    "bfloat16" is what GPUs run (see the README for the probe tolerance that holds).
+    "bfloat16" is what GPUs run (docs/sync.md: the probe tolerance that holds).
     kv_cache_tokens: on CPU, size the KV cache for this many tokens (at least max_model_len)
     instead of gpu_memory_utilization's fraction of the machine (vLLM's default took 8 GB for
     a 135M model); a smaller cache only makes vLLM schedule fewer sequences at once.
@@ -168,6 +192,7 @@ class Engine:
                  gpu_memory_utilization: float = 0.3, max_model_len: int = 2048, seed: int = 0,
                  own_process: bool | None = None, engine_gpu: int | None = None, rpc_timeout_s: float = 600.0,
                  enforce_eager: bool = True, kv_cache_tokens: int = 0):
+        _quiet_vllm_logging()
         from vllm import LLM
         if placement not in ("colocated", "separate"):
             raise ValueError(f"placement must be 'colocated' or 'separate', got {placement!r}")
@@ -193,17 +218,8 @@ class Engine:
         self._idle_since = None  # when the last generation ended
         self.expected_keys = _checkpoint_keys(model_dir)
         self._sync_dir = None
-        # On CPU, a seeded request caught mid-way through a chunked prefill makes vLLM rewind
-        # its torch.Generator, which CPU generators cannot do ("CPU Generator does not use
-        # offset"): prefill whole prompts instead.
-        engine_args = {} if torch.cuda.is_available() else {
-            "enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
-        if kv_cache_tokens and not torch.cuda.is_available():
-            # vLLM holds one block back (its null block): without headroom a cache of exactly
-            # max_model_len tokens is refused ("estimated maximum model length is 1920")
-            tokens = max(kv_cache_tokens, max_model_len) + KV_HEADROOM_TOKENS
-            self.kv_cache_bytes = tokens * kv_bytes_per_token(model_dir, dtype)
-            engine_args["kv_cache_memory_bytes"] = self.kv_cache_bytes
+        engine_args = {} if torch.cuda.is_available() else _cpu_engine_args(model_dir, dtype, max_model_len,
+                                                                            kv_cache_tokens)
         self.vision = "vision_config" in _config(model_dir)
         if self.vision:  # images only: no video processor without torchvision, and no video budget to profile
             engine_args["limit_mm_per_prompt"] = {"image": MAX_IMAGES_PER_PROMPT, "video": 0}
@@ -488,6 +504,15 @@ def probe_logprobs(model, ids: list[int], images=None) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[0, 1:, None]).squeeze(-1).cpu()
 
 
+def _quiet_vllm_logging():
+    """vLLM's own logging at WARNING (its ~60 INFO lines at start-up mean nothing to a user), and
+    two warnings that are harmless here hidden: "Failed to load weights" of a layer the reload
+    skips (every sync is proven by its probe) and the CPU worker's LD_PRELOAD hints. Only where
+    the user has not configured vLLM's logging (VLLM_LOGGING_LEVEL=INFO shows everything)."""
+    if not {"VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING"} & set(os.environ):
+        os.environ["VLLM_LOGGING_CONFIG_PATH"] = os.path.join(PLUGIN_DIR, "logging.json")
+
+
 def _use_plugins(env: dict):
     """Make vllm_plugins/ visible to this process and to every process vLLM starts."""
     if PLUGIN_DIR not in sys.path:
@@ -497,3 +522,152 @@ def _use_plugins(env: dict):
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if PLUGIN_DIR not in paths:
         env["PYTHONPATH"] = os.pathsep.join([PLUGIN_DIR] + [p for p in paths if p])
+
+
+# ----------------------------------------------------------------------------------------
+# The run's calls to the engine: rank 0 holds it, every rank takes part in a sync
+
+
+def rank0_call(d: Dist, fn, share: bool = True):
+    """Run fn on rank 0 and hand its result (when share), or its error, to every rank (an
+    EngineError stays one).
+
+    Without this, an engine that dies on rank 0 leaves the other ranks waiting forever.
+    """
+    rank, world = d.rank, d.world
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = fn()
+        except Exception as e:  # re-raised below, on every rank
+            error = e
+            if world > 1:
+                # Now, not after unwinding: the other ranks exit first, and torchrun then stops
+                # this one while it closes the engine, before Python prints the traceback.
+                import traceback
+                print("rank 0 failed:", "".join(traceback.format_exception(e)), file=sys.stderr, flush=True)
+    if world > 1:
+        box = [(result if share else None, None if error is None else f"{type(error).__name__}: {error}",
+                isinstance(error, EngineError))]
+        dist.broadcast_object_list(box, src=0)
+        shared, message, engine_failed = box[0]
+        result = shared if share or rank != 0 else result
+        if message and rank != 0:
+            raise (EngineError if engine_failed else RuntimeError)(f"rank 0 failed: {message}")
+    if error is not None:
+        raise error
+    return result
+
+
+def full_state_dict(model: CausalLM, world: int) -> dict:
+    """The whole HF-named state dict on rank 0 (every rank calls this), float32 on CPU."""
+    if world == 1:
+        state = {k: v.detach() for k, v in model.hf.state_dict().items()}
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        state = get_model_state_dict(model.hf, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return engine_state(model.hf, state)  # the engine's names, and a tied lm_head.weight
+
+
+def generate_and_score(engine, tokenizer, rows, cfg: Config, seed: int, n: int, temperature: float,
+                       prompts: list | None = None):
+    """Sample n responses per row and score them; one Rollout per sample, grouped by row.
+    prompts: token ids to use instead of the rows' chat prompts."""
+    prompts = prompts or [data.chat_prompt_ids(tokenizer, r["messages"], cfg.data.max_prompt_len) for r in rows]
+    images = [r.get("images") for r in rows] if any(r.get("images") for r in rows) else None
+    groups = engine.generate(prompts, n=n, temperature=temperature, max_tokens=cfg.rollout.max_tokens, seed=seed,
+                             images=images)
+    rollouts = [Rollout(row=row, prompt_ids=s.prompt_ids, response_ids=s.response_ids, rollout_logprobs=s.logprobs,
+                        text=s.text, truncated=s.truncated, policy_version=s.policy_version)
+                for row, samples in zip(rows, groups) for s in samples]
+    rewards = feedback.score_batch(
+        reward_function(cfg, rows[0]),
+        [r.text for r in rollouts], [r.row for r in rollouts], [r.truncated for r in rollouts])
+    for rollout, reward in zip(rollouts, rewards):
+        rollout.reward, rollout.feedback, rollout.reward_error = reward.score, reward.feedback, reward.error
+    return rollouts
+
+
+def reward_function(cfg: Config, row: dict):
+    """--data.reward (or the row's own), with --data.reward_kwargs bound."""
+    fn = feedback.get_reward_fn(cfg.data.reward or row["reward"])
+    if not cfg.data.reward_kwargs:
+        return fn
+    try:
+        kwargs = json.loads(cfg.data.reward_kwargs)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--data.reward_kwargs is not a JSON object: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--data.reward_kwargs must be a JSON object, got {cfg.data.reward_kwargs!r}")
+    return functools.partial(fn, **kwargs)
+
+
+def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
+    """Rank 0's vLLM engine (None on other ranks). Started before the trainer: an in-process
+    engine sets up its own single-process distributed state."""
+    # Generating ahead runs the engine beside the trainer's computation: in its own process,
+    # not in a thread of the trainer's (the GIL, and on CPU the trainer's OpenMP threads).
+    ahead = cfg.train.off_policy_steps > 0
+    if ahead and cfg.rollout.engine_process == "inprocess":
+        raise ValueError("--train.off_policy_steps 1 needs the engine in its own process "
+                         "(--rollout.engine_process own or auto)")
+    own = {"auto": True if ahead else None, "inprocess": False, "own": True}[cfg.rollout.engine_process]
+    if d.rank == 0:  # nothing else shows while it starts
+        print(f"engine: starting vLLM on {model_dir} (tens of seconds on a CPU)", flush=True)
+    return rank0_call(d, lambda: Engine(
+        model_dir, placement=cfg.rollout.placement, dtype=engine_dtype(cfg, d.device), seed=cfg.train.seed,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, max_model_len=cfg.rollout.max_model_len,
+        own_process=own, rpc_timeout_s=cfg.rollout.rpc_timeout_s,
+        kv_cache_tokens=kv_cache_tokens(cfg, model_dir, tokenizer, rows, d.device)), share=False)
+
+
+def sync_engine(cfg: Config, engine, policy, tokenizer, d: Dist, version: int) -> dict:
+    """Load the policy's weights (the version-th) into the engine and prove it: the engine's
+    log-probs of a fixed probe must match the trainer's within --rollout.sync_tol (rollout.py).
+    Also times the waits: the trainer's for a batch the engine generates ahead, and the
+    engine's, idle since its last generation."""
+    t0 = time.perf_counter()
+    state = full_state_dict(policy, d.world)
+    # a vision-language model's probe holds a picture: a sync that missed the vision tower fails it
+    probe, pictures = image_probe(tokenizer) if policy.vision is not None else (probe_ids(tokenizer), None)
+    scored = policy.vision.expand(probe, pictures)[0] if pictures else probe  # the engine scores the expanded ids
+    packed = objectives.pack(policy, [scored], [len(scored) - 1], pad_token_id(tokenizer), d.device,
+                             images=[pictures] if pictures else None)
+    with torch.no_grad():
+        probe_lp = objectives.forward(policy, packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(
+            h, w, packed.targets)[0])
+    reshard(policy)
+    tol = cfg.rollout.sync_tol or (1e-3 if engine_dtype(cfg, d.device) == "float32" else 1.0)
+    result = rank0_call(d, lambda: engine.update_weights(state, probe, probe_lp.cpu(), tol, version,
+                                                                 probe_images=pictures))
+    return {"sync/seconds": time.perf_counter() - t0 - result.waited_s, "sync/probe_max_abs_diff": result.probe_max_abs_diff,
+            "time/wait_rollout_s": result.waited_s, "time/wait_sync_s": result.engine_idle_s,
+            "sync/megabytes": sum(t.numel() * t.element_size() for t in (state or {}).values()) / 1e6}
+
+
+def kv_cache_tokens(cfg: Config, model_dir: str, tokenizer, rows: list, device) -> int:
+    """Tokens of KV cache the run's generations need at once: vLLM runs at most
+    MAX_CONCURRENT_SEQS sequences together, each a prompt and its response. Teacher-gap
+    prompts carry a demonstration or feedback, so prompts are counted three times over. On
+    CPU the cache is capped at CPU_KV_CACHE_BYTES: more concurrent sequences do not make a
+    CPU generate faster, and too small a cache only makes vLLM schedule fewer at a time."""
+    if cfg.rollout.kv_cache_tokens:
+        return cfg.rollout.kv_cache_tokens
+    longest = max(len(data.chat_prompt_ids(tokenizer, r["messages"], cfg.data.max_prompt_len)) for r in rows[:256])
+    per_sequence = min(3 * longest + cfg.rollout.max_tokens, cfg.rollout.max_model_len)
+    sequences = max(cfg.train.prompts_per_step * cfg.rollout.n, cfg.data.eval_rows * cfg.rollout.eval_k)
+    need = min(sequences, MAX_CONCURRENT_SEQS) * per_sequence
+    if device.type == "cpu":
+        need = min(need, CPU_KV_CACHE_BYTES // kv_bytes_per_token(model_dir, engine_dtype(cfg, device)))
+    return need
+
+
+MAX_CONCURRENT_SEQS = 256  # vLLM's default max_num_seqs
+
+
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def engine_dtype(cfg: Config, device) -> str:
+    # Never vLLM's "auto": it silently runs a float32 checkpoint in half precision.
+    return cfg.rollout.dtype or ("bfloat16" if device.type == "cuda" else "float32")

@@ -4,8 +4,8 @@ SDPO teacher contexts: which sibling demonstrates for whom, and the teacher's in
 For every rollout the teacher (the same network, an EMA or trust-region copy) scores the
 student's *exact* response ids under a richer prompt: the original question plus a
 successful sibling's response (a "demonstration") and/or the environment's feedback,
-then the instruction "Correctly solve the original question.". The contract is
-/work/shared/SPEC.md section 2; this file only builds token ids, it runs no model.
+then the instruction "Correctly solve the original question.". This file only
+builds token ids; it runs no model (docs/loop.md has the loss).
 
 Choices the spec leaves open, made here:
 - The demonstration text is decoded from the sibling's response *ids* (special tokens
@@ -245,7 +245,7 @@ def _decode_demonstration(tokenizer, ids: list[int], keep_ids: set[int], drop_id
 
 def build_teacher_batch(tokenizer, rows: list[dict], response_ids: list[list[int]], response_texts: list[str],
                         rewards: list[float], feedbacks: list[str], cfg: SdpoConfig) -> TeacherBatch:
-    """Teacher inputs, self-distillation mask and metrics for a batch of rollouts (SPEC section 2).
+    """Teacher inputs, self-distillation mask and metrics for a batch of rollouts.
 
     rows[i] is the prompt row of sample i; samples of the same prompt share rows[i]["uid"]
     and may come in any order. rewards[i] is sample i's total reward, feedbacks[i] its
@@ -265,7 +265,28 @@ def build_teacher_batch(tokenizer, rows: list[dict], response_ids: list[list[int
     uids = [row["uid"] for row in rows]
     success = [float(r) >= cfg.success_threshold for r in rewards]
 
-    # Demonstration = the first success of the group in batch order (not i itself if configured).
+    successes, demo_index = _demonstrations(uids, success, cfg)
+    has_fb = [_has_feedback(f) for f in feedbacks]
+    use_fb = [cfg.include_environment_feedback and has_fb[i]
+              and not (cfg.environment_feedback_only_without_solution and demo_index[i] is not None)
+              for i in range(n)]
+    mask = [1.0 if demo_index[i] is not None or use_fb[i] else 0.0 for i in range(n)]
+
+    input_ids, prompt_lens = _teacher_inputs(tokenizer, rows, response_ids, feedbacks, demo_index, use_fb, mask, cfg)
+    groups = set(uids)
+    metrics = {
+        "sdpo/groups_with_success": sum(1 for u in groups if successes[u]) / max(len(groups), 1),
+        "sdpo/samples_with_success": sum(success) / max(n, 1),
+        "sdpo/feedback_available": sum(has_fb) / max(n, 1),
+        "sdpo/feedback_used": sum(use_fb) / max(n, 1),
+        "sdpo/teacher_coverage": sum(mask) / max(n, 1),
+    }
+    return TeacherBatch(input_ids=input_ids, prompt_lens=prompt_lens, mask=mask, demo_index=demo_index, metrics=metrics)
+
+
+def _demonstrations(uids: list, success: list[bool], cfg: SdpoConfig) -> tuple[dict, list]:
+    """(each uid's successful samples, each sample's demonstration index or None): the first
+    success of the group in batch order, not the sample itself if dont_reprompt_on_self_success."""
     successes: dict = {}
     for i, uid in enumerate(uids):
         successes.setdefault(uid, [])
@@ -273,12 +294,11 @@ def build_teacher_batch(tokenizer, rows: list[dict], response_ids: list[list[int
             successes[uid].append(i)
     demo_index = [next((j for j in successes[uid] if not (cfg.dont_reprompt_on_self_success and j == i)), None)
                   for i, uid in enumerate(uids)]
-    has_fb = [_has_feedback(f) for f in feedbacks]
-    use_fb = [cfg.include_environment_feedback and has_fb[i]
-              and not (cfg.environment_feedback_only_without_solution and demo_index[i] is not None)
-              for i in range(n)]
-    mask = [1.0 if demo_index[i] is not None or use_fb[i] else 0.0 for i in range(n)]
+    return successes, demo_index
 
+
+def _teacher_inputs(tokenizer, rows, response_ids, feedbacks, demo_index, use_fb, mask, cfg: SdpoConfig):
+    """(teacher input ids, teacher prompt lengths): each sample's teacher prompt, then its own response ids."""
     # Special ids to drop when decoding demonstrations (think tags kept, see module docstring).
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special} | set(tokenizer.all_special_ids)
     keep_ids = {i for i in special if tokenizer.convert_ids_to_tokens(i) in THINK_TAGS}
@@ -303,13 +323,4 @@ def build_teacher_batch(tokenizer, rows: list[dict], response_ids: list[list[int
         prompt = prompt_cache[key]
         input_ids.append(list(prompt) + list(response_ids[i]))  # the student's ids, unchanged
         prompt_lens.append(len(prompt))
-
-    groups = set(uids)
-    metrics = {
-        "sdpo/groups_with_success": sum(1 for u in groups if successes[u]) / max(len(groups), 1),
-        "sdpo/samples_with_success": sum(success) / max(n, 1),
-        "sdpo/feedback_available": sum(has_fb) / max(n, 1),
-        "sdpo/feedback_used": sum(use_fb) / max(n, 1),
-        "sdpo/teacher_coverage": sum(mask) / max(n, 1),
-    }
-    return TeacherBatch(input_ids=input_ids, prompt_lens=prompt_lens, mask=mask, demo_index=demo_index, metrics=metrics)
+    return input_ids, prompt_lens

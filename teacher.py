@@ -1,4 +1,4 @@
-"""The SDPO teacher (SPEC section 5) and the DPO reference: copies of the policy's network.
+"""The SDPO teacher (the paper's EMA and trust-region teachers, docs/loop.md) and the DPO reference: copies of the policy's network.
 
   ema           θ_T ← (1−r)·θ_T + r·θ after every training step, on each rank's own FSDP2
                 shards (no gather), and only when some optimizer step had a finite grad norm
@@ -135,7 +135,7 @@ class Teacher:
 
 
 class Reference:
-    """A frozen copy of the policy for log-ratios against it (DPO, SPEC section 6): the
+    """A frozen copy of the policy for log-ratios against it (DPO): the
     initial policy, replaced by the policy of the moment after every `every` training steps
     (SPIN: each iteration's reference is the previous iteration's model); 0: never.
 

@@ -40,6 +40,7 @@ class Evaluator:
     def __init__(self, model_dir: str, cfg, rows: list, teacher):
         import torch
         import run
+        from policy import load_policy
         self.cfg, self.rows, self.teacher, self.d = cfg, rows, teacher, run.Dist(0, 1, torch.device("cpu"))
         self.tokenizer = run.load_tokenizer(model_dir)
         self.engine = run.start_engine(cfg, model_dir, self.tokenizer, rows, self.d)
@@ -48,7 +49,7 @@ class Evaluator:
         """Held-out success of model_dir's samples and the teacher's NLL of them (per token)."""
         import run
         self.loads = getattr(self, "loads", 0) + 1  # the weights' version, as the engine stamps samples
-        run.sync_engine(self.cfg, self.engine, run.load_policy(model_dir, self.cfg, 1, self.d.device), self.tokenizer,
+        run.sync_engine(self.cfg, self.engine, load_policy(model_dir, self.cfg, 1, self.d.device), self.tokenizer,
                         self.d, self.loads)
         rollouts = run.generate_and_score(self.engine, self.tokenizer, self.rows, self.cfg, seed, self.cfg.rollout.eval_k,
                                           self.cfg.rollout.eval_temperature)
@@ -127,7 +128,7 @@ def main():
                                    "--train.warm_start_demo_frac=0", "--train.warm_start_feedback_frac=0"]
     runs = {"seqkd": ["--algo=sft"], "gad": ["--algo=gad", f"--gad.warmup_steps={args.warmup}"]}
     eval_rows = run.load_data(cfg)[1]
-    teacher = (run.load_policy(teacher_dir, cfg, 1, d.device), run.load_tokenizer(teacher_dir))
+    teacher = (load_policy(teacher_dir, cfg, 1, d.device), run.load_tokenizer(teacher_dir))
     teacher[0].eval()
     evaluate = Evaluator(start, run.parse_config(common), eval_rows, teacher)
     results, diagnostics = {"start": [evaluate(start, 0)], "seqkd": [], "gad": []}, []

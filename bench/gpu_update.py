@@ -12,14 +12,14 @@ and a synthetic rollout batch is built in the structures run.py's loop hands to 
 objectives.prepare_advantages; SDPO's teacher contexts laid out as sdpo.build_teacher_batch lays
 them out: the prompt, the first successful sibling's response as the demonstration, a lone
 success with none, feedback for a failure without one, then the student's response ids). What
-is timed is what a user's step runs: run.build_trainer (policy sharded by run.shard, one
+is timed is what a user's step runs: run.build_trainer (policy sharded by shard, one
 fully_shard unit per decoder layer, bf16 params / fp32 reduce; AdamW; for SDPO the EMA teacher
 copy), then run.update_policy (the old log-probs before the first of --mini-batches optimizer
 steps, objectives.cache_teacher_hidden for SDPO, every micro-batch's objective loss and backward,
 grad clipping, AdamW), then the EMA step (timed apart, as run.learn does it).
 
-One GPU: run.shard leaves the policy unsharded at world size 1 (run.py's single-process path:
-float32 weights, bf16 autocast, run.CausalLM.forward). By default this script shards it anyway
+One GPU: shard leaves the policy unsharded at world size 1 (run.py's single-process path:
+float32 weights, bf16 autocast, CausalLM.forward). By default this script shards it anyway
 (a one-rank FSDP2 mesh), so that one GPU measures what each of N GPUs runs;
 --no-fsdp-at-world-1 measures run.py's single-process path instead.
 
@@ -69,8 +69,11 @@ except ImportError:
     sys.modules["tyro"] = types.SimpleNamespace(conf=types.SimpleNamespace(arg=lambda **kwargs: None))
 import data  # noqa: E402
 import objectives  # noqa: E402
+import policy  # noqa: E402
 import run  # noqa: E402
 from objectives import Dist, Rollout  # noqa: E402
+from policy import CausalLM, load_policy  # noqa: E402
+from update import rank_micro_batches  # noqa: E402
 
 QWEN_PAD = 151643  # Qwen2's <|endoftext|>
 
@@ -139,7 +142,7 @@ def model_config(args):
 
 
 def write_model(args, d: Dist) -> str:
-    """A random-weight Qwen2 model as an HF directory (float32, as run.load_policy reads it)."""
+    """A random-weight Qwen2 model as an HF directory (float32, as load_policy reads it)."""
     config = model_config(args)
     key = hashlib.sha1(config.to_json_string().encode()).hexdigest()[:12]
     path = args.model_dir or os.path.join(tempfile.gettempdir(), f"bench-gpu-update-{key}")
@@ -178,7 +181,7 @@ def synthetic_rollouts(args, pad_id: int) -> list:
 
 
 def add_teacher_contexts(args, rollouts: list):
-    """SDPO's teacher ids as sdpo.build_teacher_batch builds them (SPEC section 2), with random
+    """SDPO's teacher ids as sdpo.build_teacher_batch builds them, with random
     template tokens: chat header + prompt + "Correct solution:" + the first successful
     sibling's response (not its own) + instruction + generation prompt, then the response;
     without a demonstration, a failure's feedback instead; a lone success: no context."""
@@ -409,7 +412,7 @@ def profile_update(args, cfg, objective, trainer, rollouts, pad_id, d: Dist, alg
 
 
 def ceiling(args, model_dir: str, d: Dist, shapes: dict, pad_id: int, with_head: bool = True) -> dict:
-    """The GRPO batch's micro-batches (as run.rank_micro_batches packs them, one rank) through
+    """The GRPO batch's micro-batches (as rank_micro_batches packs them, one rank) through
     a plain bf16 copy of the model: forward with GRPO's head (objectives.logprob_head at
     --head-chunk-size, run.py's by default: log-probs and entropy), sum of log-probs,
     backward. No FSDP2, no optimizer, no old log-probs, no loss arithmetic: what the kernels
@@ -419,10 +422,10 @@ def ceiling(args, model_dir: str, d: Dist, shapes: dict, pad_id: int, with_head:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     if args.gradient_checkpointing:
         hf.gradient_checkpointing_enable()
-    model = run.CausalLM(hf).to(d.device)
+    model = CausalLM(hf).to(d.device)
     rollouts = synthetic_rollouts(args, pad_id)
     lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
-    micro = run.rank_micro_batches([[i] for i in range(len(rollouts))], args.micro_batch, Dist(0, 1, d.device),
+    micro = rank_micro_batches([[i] for i in range(len(rollouts))], args.micro_batch, Dist(0, 1, d.device),
                                    lengths, args.micro_batch_tokens)
     chunk_size = make_cfg(args, "grpo").train.head_chunk_size
     head = (lambda packed: objectives.logprob_head(packed.targets, 1.0, chunk_size)) if with_head else (
@@ -468,8 +471,8 @@ def main():
         if not dist.is_initialized():
             raise SystemExit("FSDP2 at world size 1 needs a process group: run under torchrun "
                              "(or pass --no-fsdp-at-world-1)")
-        shard = run.shard  # shards only when world > 1: shard the one-rank mesh as each of N ranks would
-        run.shard = lambda model, world, device: shard(model, max(world, 2), device)
+        shard = policy.shard  # shards only when world > 1: shard the one-rank mesh as each of N ranks would
+        policy.shard = lambda model, world, device: shard(model, max(world, 2), device)
     pad_id = QWEN_PAD if args.vocab > QWEN_PAD else 0
     model_dir = write_model(args, d)
     from transformers import AutoConfig, AutoModelForCausalLM

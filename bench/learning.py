@@ -57,8 +57,8 @@ DIAGNOSTICS = {"reward/success_rate": "training success",
 
 def warm_start(flags: list[str]) -> str:
     """The checkpoint every run starts from: --model.path, or the tiny model's warm start."""
-    import torch
     import run
+    import torch
     cfg = run.parse_config(flags + ["--log.progress=False"])  # no progress bar in the bench's output
     return run.resolve_model(cfg, run.Dist(0, 1, torch.device("cpu")))
 
@@ -154,7 +154,7 @@ def plot(path: str, task: str, summary: dict):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    # the quiz: the task whose feedback tells the teacher what the prompt does not (README: Does it work?)
+    # the quiz: the task whose feedback tells the teacher what the prompt does not (docs/results.md)
     parser.add_argument("--tasks", default="quiz")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first_seed", type=int, default=0, help="seeds first_seed .. first_seed+seeds-1: new "
@@ -180,7 +180,7 @@ def main():
         # at 2048 would add ~1 hour to the nine runs; the seeds' spread is its error bar.
         # 32 prompts x 4 samples per step (run.py's default: 16 x 8), the paper's 32 questions per
         # batch at the same generations: on the quiz SDPO learns faster spread over more prompts,
-        # GRPO about as fast (README: Does it work?, both shapes measured)
+        # GRPO about as fast (docs/results.md, both shapes measured)
         task_flags = [f"--data.task={task}", "--data.eval_rows=256", "--train.prompts_per_step=32",
                       "--rollout.n=4"] + extra  # later flags win
         name = os.path.splitext(os.path.basename(task))[0]  # a synthetic task's name, or the data file's

@@ -38,7 +38,7 @@ import smollm2  # noqa: E402  (bench/ is not a package)
 import word_problems  # noqa: E402
 
 SPLIT = ("time/rollout_s", "time/teacher_s", "time/train_s", "sync/seconds", "time/step_s")
-# SDPO's early warning (run.FLAT_TEACHER_METRIC) as the first step saw it
+# SDPO's early warning (logger.FLAT_TEACHER_METRIC) as the first step saw it
 IN_LOOP_GAP = ("sdpo/teacher_minus_student_entropy",)
 
 
@@ -92,7 +92,7 @@ def mean(records: list[dict], key: str) -> float:
 
 
 def teacher_gap_result(common: list[str], out: str) -> str:
-    """Success bare / with a demonstration / with feedback, and the entropies (run.context_entropies)."""
+    """Success bare / with a demonstration / with feedback, and the entropies (evaluate.context_entropies)."""
     records, seconds, peak = run_monitored(common + ["--eval_only=True", "--teacher_gap=True"],
                                            os.path.join(out, "teacher_gap"))
     gap = records[-1]

@@ -60,7 +60,7 @@ SIGMAS = (0.05, 0.1, 0.2, 0.3)  # noise added to every weight of the tiny model 
 
 
 def state_of(model):
-    """The full HF-named state dict a sync sends, as run.full_state_dict builds it on one rank."""
+    """The full HF-named state dict a sync sends, as rollout.full_state_dict builds it on one rank."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
     state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
@@ -110,9 +110,9 @@ def shm_write_seconds(state, repeats=5):
 
 def sft(model, tokenizer, steps, lr, batch=32, seed=0):
     """A short SFT on the synthetic tasks' reference answers (loss on the answer tokens)."""
+    import data
     import random
     import torch
-    import data
     rows = data.task_rows("arith", "train", 256) + data.task_rows("strops", "train", 256)
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)

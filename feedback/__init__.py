@@ -1,4 +1,4 @@
-"""Reward functions that return a score and a feedback text (SPEC section 7).
+"""Reward functions that return a score and a feedback text.
 
 A reward function has the signature `fn(response: str, row: dict, truncated: bool)` and returns a
 float/int/bool, a dict {"score": ..., "feedback": ...}, or a `Reward`. Callers go through `score`
@@ -6,7 +6,7 @@ float/int/bool, a dict {"score": ..., "feedback": ...}, or a `Reward`. Callers g
 `Reward(score=0.0, error=...)`, so that one broken row never kills a training step.
 
 Built-in functions: "math", "strops", "code", "mc", "shapes" (see `get_reward_fn`). The feedback text is
-what the SDPO teacher sees (SPEC 2.4), so it must never leak the ground truth by default and must
+what the SDPO teacher sees, so it must never leak the ground truth by default and must
 be deterministic: the same response gives the same text.
 """
 

@@ -1,4 +1,4 @@
-"""Multiple-choice reward: score only, no feedback (SPEC 7).
+"""Multiple-choice reward: score only, no feedback.
 
 Telling the teacher "B is wrong" would leak part of the answer on a 4-choice question, so a wrong
 choice gets no text. A truncated response still gets the (answer-free) truncation feedback.

@@ -15,7 +15,7 @@ A model cannot check its own answers, so this is information the prompt does not
 the teacher shown it can keep the answers marked right and needs to redo only the wrong ones.
 It never shows a correct result the reply did not already contain. `--data.quiz_feedback=values`
 names the wrong result ("b:3*4 is not 13."): more information, which the tiny teacher misuses
-by copying it (README: the decisive token).
+by copying it (docs/LOG.md: the decisive token).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from feedback import TOTAL_CHARS, Reward, cut, truncated_reward
 
 QUIZ_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 # How a wrong line reads. "values": "b:3*4 is not 13." names the wrong result, which a small
-# teacher copies (README: the quiz's decisive token); "marks": "b:3*4 is wrong." leaves nothing to copy.
+# teacher copies (docs/LOG.md: the decisive token); "marks": "b:3*4 is wrong." leaves nothing to copy.
 QUIZ_FEEDBACK = ("marks", "values")  # the first is the default (data.TaskConfig.quiz_feedback)
 LINE_RESULT = re.compile(r"=\s*([-+]?\d+)\s*\.?\s*$")
 

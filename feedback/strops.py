@@ -3,7 +3,7 @@
 A program is op names joined by " | ", applied left to right: "reverse | upper" maps "abc" to
 "CBA". The data generator uses OPS / run_program to compute expected outputs; the model has to
 infer the program from examples, and `strops_reward` checks it against the row's tests with
-LeetCode-style feedback (SPEC 7): the failing tests tell the teacher exactly what went wrong.
+LeetCode-style feedback: the failing tests tell the teacher exactly what went wrong.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ def main(out_dir, d):
     from teacher import Reference, full_tensor
     from test_dpo import TWO_RANK_FLAGS, TWO_RANK_REWARDS, _scored, dpo_config
     from test_run import NoSchedule, _policy
+    from policy import shard
 
     class FullGradRecorder:
         """The optimizer's stand-in: keeps each step's whole gradient (a collective per tensor)."""
@@ -44,8 +45,8 @@ def main(out_dir, d):
     tokenizer = run.load_tokenizer(tiny)
     cfg = dpo_config("--rollout.n=4", *TWO_RANK_FLAGS)
     torch.manual_seed(0)
-    policy = run.shard(_policy(tiny, seed=3), d.world, d.device)
-    reference = Reference(run.shard(_policy(tiny), d.world, d.device))
+    policy = shard(_policy(tiny, seed=3), d.world, d.device)
+    reference = Reference(shard(_policy(tiny), d.world, d.device))
     recorder = FullGradRecorder(policy)
     rollouts = _scored(tokenizer, TWO_RANK_REWARDS)
     prepare_pairs(rollouts, tokenizer, cfg)

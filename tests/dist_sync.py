@@ -31,6 +31,8 @@ def main(out_dir, model_dir, d):
     import losses
     import rollout
     import run
+    from policy import load_policy
+    from rollout import full_state_dict
 
     rank, world, device = d.rank, d.world, d.device
     result = {"rank": rank, "world": world}
@@ -49,7 +51,7 @@ def main(out_dir, model_dir, d):
         result["env_restored"] = os.environ.get("RANK") == "0" and os.environ.get("WORLD_SIZE") == "2"
         result["engine_before"] = engine.score([probe])[0]
 
-    policy = run.load_policy(model_dir, run.Config(), world, device)
+    policy = load_policy(model_dir, run.Config(), world, device)
     result["sharded"] = all(isinstance(p, DTensor) for p in policy.parameters())
     packed = data.pack([probe], [len(probe) - 1], pad_id, device)
 
@@ -68,7 +70,7 @@ def main(out_dir, model_dir, d):
     after = probe_logprobs()
     result["trainer_before"], result["trainer_after"] = before.tolist(), after.tolist()
 
-    state = run.full_state_dict(policy, world)  # every rank takes part; rank 0 gets the tensors
+    state = full_state_dict(policy, world)  # every rank takes part; rank 0 gets the tensors
     result["state_keys"] = sorted(state)
     sync = run.rank0_call(d, lambda: engine.update_weights(state, probe, after, tol=1e-4))
     result["probe_max_abs_diff"] = sync.probe_max_abs_diff

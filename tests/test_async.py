@@ -23,6 +23,7 @@ from objectives import OBJECTIVES, Models
 from teacher import Teacher
 from test_rollout import perturbed
 from test_run import CPU, ONE_PROCESS, ROOT, SMALL, GradRecorder, NoSchedule, _metrics, _policy, _rollouts, _run
+from update import step_counts
 
 # ----------------------------------------------------------------------------------------
 # one optimizer step on a stale batch
@@ -30,7 +31,7 @@ from test_run import CPU, ONE_PROCESS, ROOT, SMALL, GradRecorder, NoSchedule, _m
 
 def _grads_of_loss(objective, models, rollouts, old_logprobs, cfg, pad_id):
     """The gradient of one micro-batch holding every rollout, with the given old log-probs."""
-    counts = run.step_counts(rollouts, objective)
+    counts = step_counts(rollouts, objective)
     mb = objectives.micro_batch(models.policy, rollouts, counts, pad_id, CPU, old_logprobs, 1)
     loss, _ = objective.loss(mb, models, cfg)
     models.policy.zero_grad(set_to_none=True)

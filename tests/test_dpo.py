@@ -16,6 +16,8 @@ import run
 from objectives import OBJECTIVES, Models, Rollout, preference_pairs, prepare_pairs
 from teacher import Reference
 from test_run import GradRecorder, NoSchedule, ONE_PROCESS, ROOT, SMALL, _free_port, _metrics, _policy, _rollouts, _run
+from policy import CausalLM
+from update import micro_batch_units, step_counts
 
 DPO = OBJECTIVES["dpo"]
 
@@ -69,9 +71,9 @@ def test_prepare_marks_pairs_and_a_prompt_without_a_pair_contributes_nothing(tok
     assert [r.preferred_over for r in rollouts[:4]] == [[1, 2], [], [], [1, 2]]
     assert [r.sample_index for r in rollouts] == [0, 1, 2, 3] * 3
     assert not any(r.paired for r in rollouts[4:8])
-    units = run.micro_batch_units(rollouts, DPO)
+    units = micro_batch_units(rollouts, DPO)
     assert units == [[0, 1, 2, 3], [], [8, 9, 10, 11]]  # one unit per prompt, the tied one empty
-    counts = run.step_counts([rollouts[i] for unit in units for i in unit], DPO)
+    counts = step_counts([rollouts[i] for unit in units for i in unit], DPO)
     assert counts["pairs"] == 9 and counts["sequences"] == 8
 
 
@@ -94,7 +96,7 @@ def test_spin_chooses_the_reference_ending_with_the_engines_eos_over_every_sampl
     assert references[0].preferred_over == [0, 1, 2]
     assert references[1].preferred_over == [0, 2]  # sample 1 is the reference itself: a tie
     assert metrics == {"dpo/pairs": 5, "dpo/ties_skipped": 1, "dpo/prompts_with_pair": 1.0}
-    units = run.micro_batch_units(rollouts, DPO)
+    units = micro_batch_units(rollouts, DPO)
     assert units == [[0, 1, 2, 6], [3, 5, 7]]
 
 
@@ -116,7 +118,7 @@ def test_one_sample_per_prompt_is_refused():
 
 
 class Unigram(torch.nn.Module):
-    """p(token) = softmax(weight) whatever the context, through run.CausalLM's head interface."""
+    """p(token) = softmax(weight) whatever the context, through CausalLM's head interface."""
 
     def __init__(self, logits):
         super().__init__()
@@ -178,7 +180,7 @@ def test_hand_worked_sigmoid_step():
 
 
 def _spec_loss(w, pairs, kind, beta, eps, reference_free):
-    """SPEC section 6 in float64, from the unigram weights w [5] (IPO: mean log-probs)."""
+    """The DPO losses of docs/loop.md in float64, from the unigram weights w [5] (IPO: mean log-probs)."""
     def logprob(seq, logits):
         total = logits.log_softmax(0)[seq].sum()
         return total / len(seq) if kind == "ipo" else total

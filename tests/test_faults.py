@@ -22,6 +22,7 @@ import objectives
 import rollout
 import run
 from test_run import ONE_PROCESS, ROOT, SMALL, _free_port, _metrics, _policy, _run
+from checkpoint import parameter_count
 
 
 # ----------------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ def test_out_dir_without_room_for_the_run_is_named(tiny_dir, tmp_path, monkeypat
     import collections
     import shutil
     objective = objectives.OBJECTIVES["sdpo"]
-    model = 4 * run.parameter_count(tiny_dir)
+    model = 4 * parameter_count(tiny_dir)
     assert model > 1e6  # float32 bytes of the tiny model's ~1.2M parameters
     cfg = run.parse_config([f"--log.out_dir={tmp_path}", "--train.save_every=10", "--train.steps=40"])
     usage = collections.namedtuple("usage", "total used free")
@@ -164,6 +165,31 @@ def test_out_dir_holding_an_earlier_runs_checkpoints_is_refused_unless_resuming(
     with pytest.raises(FileExistsError, match=f"continue it with --train.resume {tmp_path}"):
         run.check_out_dir(cfg, resuming=False)
     run.check_out_dir(cfg, resuming=True)
+
+
+def test_out_dir_holding_an_earlier_run_is_refused_unless_resuming_or_overwriting(tmp_path):
+    """A run's records without checkpoints: a second run there would append its metrics to the
+    first's (steps 0, 1, 0, 1) and replace its final model."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    (tmp_path / "final").mkdir()
+    cfg = run.parse_config([f"--log.out_dir={tmp_path}"])
+    with pytest.raises(FileExistsError, match="holds an earlier run .*--log.overwrite=True"):
+        run.check_out_dir(cfg, resuming=False)
+    assert (tmp_path / "metrics.jsonl").exists()  # refusing loses nothing
+    run.check_out_dir(cfg, resuming=True)
+    run.check_out_dir(run.parse_config([f"--log.out_dir={tmp_path}", "--log.overwrite=True"]), resuming=False)
+    assert os.listdir(tmp_path) == []
+    run.check_out_dir(cfg, resuming=False)  # empty now
+
+
+def test_a_checkpoint_with_a_truncated_shard_is_named(tiny_dir, tmp_path):
+    trainer = _trainer(tiny_dir)
+    path = tmp_path / "checkpoint-1"
+    run.save_checkpoint(str(path), trainer, 1, None, ONE_PROCESS)
+    shard = next(f for f in path.iterdir() if f.name.endswith(".distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(RuntimeError, match=f"checkpoint {path} cannot be read .*{shard.name}"):
+        run.load_checkpoint(str(path), _trainer(tiny_dir), run.parse_config([]), ONE_PROCESS)
 
 
 def test_run_with_an_unwritable_out_dir_stops_before_starting_anything(tmp_path):

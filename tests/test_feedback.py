@@ -220,7 +220,7 @@ QUIZ_ROW = {"uid": "q1", "tests": [{"input": "a:7+8", "output": "15"}, {"input":
 
 def test_quiz_reward_marks_each_line():
     assert quiz_reward("a:7+8=15\nb:3*4=12\nc:9-6=3", QUIZ_ROW, False) == Reward(1.0)
-    # the default wording names no wrong result: a small teacher would copy it (README: the decisive token)
+    # the default wording names no wrong result: a small teacher would copy it (docs/LOG.md: the decisive token)
     r = quiz_reward("a:7+8=15\nb:3*4=13\nc:9-6=2", QUIZ_ROW, False)
     assert r == Reward(0.0, "Wrong Answer: 2 of 3 results are wrong.\n"
                             "a:7+8=15 is right.\nb:3*4 is wrong.\nc:9-6 is wrong.")

@@ -16,6 +16,7 @@ from discriminator import Critic
 from objectives import OBJECTIVES, Models, gad_loss, gad_rewards, prepare_teacher_responses
 from teacher import Reference
 from test_run import ONE_PROCESS, SMALL, GradRecorder, NoSchedule, _metrics, _policy, _rollouts, _run
+from update import step_counts
 
 GAD = OBJECTIVES["gad"]
 
@@ -176,7 +177,7 @@ def _kl_grads(tiny_dir, tokenizer, kind, coef=1.0):
     for r in rollouts:
         r.advantage = 0.0  # the clipped surrogate contributes no gradient: only the KL term is left
         r.reference_logprobs = (torch.tensor(r.rollout_logprobs) + torch.randn(len(r.response_ids), generator=g)).tolist()
-    counts = run.step_counts(rollouts, GAD)
+    counts = step_counts(rollouts, GAD)
     mb = run.objectives.micro_batch(None, rollouts, counts, tokenizer.pad_token_id, "cpu", None, 1)
     loss, stats = gad_loss(mb, Models(policy), cfg)
     loss.backward()
@@ -206,7 +207,7 @@ def test_kl_in_the_reward_instead_of_the_loss(tiny_dir, tokenizer):
     expected = losses.grpo_advantages(rewards, [r.row["uid"] for r in students])
     assert [r.advantage for r in students] == pytest.approx(expected.tolist(), abs=1e-6)
     assert metrics["gad/reward_kl"] == pytest.approx(sum(kl) / len(kl), rel=1e-5)
-    mb = run.objectives.micro_batch(None, students, run.step_counts(students, GAD), tokenizer.pad_token_id, "cpu", None, 1)
+    mb = run.objectives.micro_batch(None, students, step_counts(students, GAD), tokenizer.pad_token_id, "cpu", None, 1)
     with_kl = gad_loss(mb, trainer.models, cfg)[0]
     without = gad_loss(mb, trainer.models, gad_config("--rollout.n=3", "--algo.kl_coef=0"))[0]
     assert with_kl.item() == pytest.approx(without.item(), rel=1e-6)  # the loss has no KL term

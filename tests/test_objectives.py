@@ -12,6 +12,7 @@ from golden import CASES, COMMON, PATH, fingerprint
 from objectives import OBJECTIVES, Models
 from teacher import Teacher
 from test_run import CPU, GradRecorder, NoSchedule, ONE_PROCESS, _policy, _rollouts
+from update import micro_batch_units, pack_units
 
 
 def new_loop_step(flags):
@@ -69,20 +70,20 @@ def test_the_algo_flag_offers_exactly_the_rows_of_the_table():
 
 def test_units_are_never_split_across_micro_batches():
     units = [[0, 1, 2], [3], [4, 5, 6, 7, 8], [9, 10]]
-    assert run.pack_units(units, 4) == [[0, 1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
-    assert run.pack_units([[i] for i in range(5)], 2) == [[0, 1], [2, 3], [4]]
-    assert run.pack_units([], 4) == []
+    assert pack_units(units, 4) == [[0, 1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
+    assert pack_units([[i] for i in range(5)], 2) == [[0, 1], [2, 3], [4]]
+    assert pack_units([], 4) == []
     # a token budget: sequences x the longest so far stays within it; a unit over it goes alone
-    assert run.pack_units([[0], [1], [2], [3, 4]], 8, lengths=[10, 20, 30, 40], token_budget=60) == [[0, 1], [2], [3, 4]]
-    assert run.pack_units([[0], [1], [2]], 2, lengths=[5, 5, 5], token_budget=100) == [[0, 1], [2]]
+    assert pack_units([[0], [1], [2], [3, 4]], 8, lengths=[10, 20, 30, 40], token_budget=60) == [[0, 1], [2], [3, 4]]
+    assert pack_units([[0], [1], [2]], 2, lengths=[5, 5, 5], token_budget=100) == [[0, 1], [2]]
 
 
 def test_prompts_stay_together_when_the_objective_asks(tokenizer):
     import dataclasses
     rollouts = _rollouts(tokenizer, "grpo", n_prompts=3, n=4)
-    alone = run.micro_batch_units(rollouts, OBJECTIVES["grpo"])
+    alone = micro_batch_units(rollouts, OBJECTIVES["grpo"])
     assert alone == [[i] for i in range(12)]
-    together = run.micro_batch_units(rollouts, dataclasses.replace(OBJECTIVES["grpo"], keep_prompts_together=True))
+    together = micro_batch_units(rollouts, dataclasses.replace(OBJECTIVES["grpo"], keep_prompts_together=True))
     assert together == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     assert all(len({rollouts[i].row["uid"] for i in unit}) == 1 for unit in together)
 

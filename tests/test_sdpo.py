@@ -1,4 +1,4 @@
-"""Tests of sdpo.py: teacher contexts built from a hand-made batch (SPEC section 2).
+"""Tests of sdpo.py: teacher contexts built from a hand-made batch.
 
 Expected teacher prompts are written out by hand (ChatML of the tiny tokenizer, see
 data.CHAT_TEMPLATE) and compared with the decoded teacher prompt ids, so the tests do

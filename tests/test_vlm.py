@@ -420,15 +420,16 @@ def test_weight_sync_of_the_vision_tower_is_proven_by_the_image_probe(engine, hf
 
 
 # -----------------------------------------------------------------------------
-# the training loop on image prompts: the trainer's forward (run.CausalLM via objectives.pack),
+# the training loop on image prompts: the trainer's forward (CausalLM via objectives.pack),
 # SDPO's teacher contexts, a two-rank run
 
 
 @pytest.fixture(scope="module")
 def policy(vlm_dir):
     import run
+    from policy import CausalLM, load_policy
     cfg = run.parse_config([])
-    return run.load_policy(vlm_dir, cfg, 1, torch.device("cpu")).eval()
+    return load_policy(vlm_dir, cfg, 1, torch.device("cpu")).eval()
 
 
 def loop_logprobs(policy, seqs, response_lens, images, temperature=1.0):

@@ -1,0 +1,199 @@
+"""Checkpoints (torch.distributed.checkpoint: every rank writes its shards; --train.save_every,
+--train.resume), the final model as an ordinary HF directory, and the out_dir's checks at the
+start. Every directory is written under a .partial name and renamed when complete, so that a
+killed run never leaves a half-written one under a name that is read later."""
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from config import Config
+from objectives import Dist
+from policy import Trainer
+from rollout import full_state_dict, rank0_call
+
+# What a run writes into its out_dir that a second run there would mix with its own
+RUN_RECORDS = ("metrics.jsonl", "samples.jsonl", "final")
+FIRST_EVAL = "first_eval.json"  # in a checkpoint: the held-out rows' success at step 0
+NEXT_BATCH = "next_batch.pt"  # in a checkpoint of a run generating ahead: the batch of its next step
+
+
+def check_out_dir(cfg: Config, resuming: bool, model_dir: str = "", objective=None):
+    """Fail at the start, naming the path, when --log.out_dir cannot be written, holds an
+    earlier run (its metrics would mix with this one's, and `--train.resume OUT_DIR` would take
+    its checkpoints for this run's) unless resuming or --log.overwrite, or (given the model)
+    lacks the space for the final model and a first checkpoint."""
+    out = cfg.log.out_dir
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise OSError(e.errno, f"--log.out_dir {out} is not writable: {e.strerror}") from e
+    if not resuming:
+        check_no_earlier_run(out, cfg.log.overwrite)
+    if not model_dir:
+        return
+    model = 4 * parameter_count(model_dir)  # float32, as the trainer holds and saves it
+    copies = 3 + ("teacher" in objective.models and cfg.sdpo.teacher != "live")  # + AdamW's two moments, the teacher
+    saves = cfg.train.steps // cfg.train.save_every if cfg.train.save_every else 0
+    need, total = model + min(saves, 1) * copies * model, model + saves * copies * model
+    free = shutil.disk_usage(out).free
+    if free < need:
+        raise OSError(28, f"--log.out_dir {out} has {free / 2**30:.3g} GiB free; the run writes at least "
+                          f"{need / 2**30:.3g} GiB (the final model and a checkpoint)")  # 28: ENOSPC
+    if free < total:
+        print(f"warning: --log.out_dir {out} has {free / 2**30:.3g} GiB free; the run's {saves} checkpoints "
+              f"and final model take {total / 2**30:.3g} GiB", file=sys.stderr)
+
+
+def check_no_earlier_run(out: str, overwrite: bool):
+    """An out_dir with an earlier run's records is refused, or with overwrite emptied of them."""
+    earlier = sorted(name for name in os.listdir(out) if name.startswith("checkpoint-") or name in RUN_RECORDS)
+    if earlier and not overwrite:
+        raise FileExistsError(f"--log.out_dir {out} holds an earlier run ({', '.join(earlier[-3:])}): continue it "
+                              f"with --train.resume {out}, replace it with --log.overwrite=True, or choose another "
+                              f"--log.out_dir")
+    for name in earlier:
+        path = os.path.join(out, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
+def parameter_count(model_dir: str) -> int:
+    from safetensors import safe_open
+    count = 0
+    for name in os.listdir(model_dir):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, name), "pt") as f:
+                count += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return count
+
+
+def save_checkpoint(path: str, trainer: Trainer, step: int, next_batch, d: Dist, first_eval: list | None = None):
+    """Policy, optimizer, the optional models and the RNG state (torch.distributed.checkpoint:
+    every rank writes its shards) and, generating ahead, the next step's batch (rank 0's
+    next_batch: its rollouts were generated with the weights before this step's update, which
+    a resumed run no longer has), and the held-out rows' success at step 0 (first_eval: later
+    evaluations pair their gain with it). Written as path.partial and renamed when complete, so that
+    a run killed during a save leaves no checkpoint under a name that `--train.resume` takes."""
+    import torch.distributed.checkpoint as dcp
+    partial = path + ".partial"
+    if d.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
+    barrier(d)
+    dcp.save(checkpoint_state(trainer, step), checkpoint_id=partial)  # fsyncs its files
+    if d.rank == 0:
+        if first_eval is not None:
+            with open(os.path.join(partial, FIRST_EVAL), "w") as f:
+                json.dump(first_eval, f)
+        if next_batch is not None:
+            with open(os.path.join(partial, NEXT_BATCH), "wb") as f:
+                torch.save(next_batch, f)
+                f.flush()
+                os.fsync(f.fileno())
+        replace_dir(partial, path)
+    barrier(d)
+
+
+def load_checkpoint(path: str, trainer: Trainer, cfg: Config, d: Dist):
+    """Restore what save_checkpoint wrote into trainer. Returns the step to continue from,
+    when generating ahead and the checkpoint holds it, the next batch for Batches (else None),
+    and the held-out rows' success at step 0 (None if the checkpoint has none)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    state = checkpoint_state(trainer, 0)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as e:  # torch names neither the directory nor the file
+        raise RuntimeError(f"--train.resume: the checkpoint {path} cannot be read ({type(e).__name__}: "
+                           f"{str(e).splitlines()[-1][:300] if str(e) else ''}); its files: "
+                           f"{', '.join(sorted(os.listdir(path)))}. Resume from an earlier checkpoint-N "
+                           f"of the run") from e
+    set_state_dict(trainer.models.policy, trainer.optimizer, model_state_dict=state["policy"],
+                   optim_state_dict=state["optimizer"])
+    for name in ("teacher", "reference", "discriminator"):
+        if name in state:
+            getattr(trainer.models, name).load_state_dict(state[name])
+    torch.set_rng_state(state["meta"]["torch_rng"])
+    random.setstate(state["meta"]["python_rng"])
+    first_eval = None
+    if os.path.exists(os.path.join(path, FIRST_EVAL)):
+        with open(os.path.join(path, FIRST_EVAL)) as f:
+            first_eval = json.load(f)
+    file = os.path.join(path, NEXT_BATCH)
+    if not (cfg.train.off_policy_steps and rank0_call(d, lambda: os.path.exists(file))):
+        return int(state["meta"]["step"]), None, first_eval
+    batch = torch.load(file, weights_only=False) if d.rank == 0 else None
+    return int(state["meta"]["step"]), lambda: batch, first_eval
+
+
+def checkpoint_path(resume: str) -> str:
+    """--train.resume: a checkpoint directory, or a run's out_dir (its latest complete checkpoint)."""
+    import re
+    if os.path.exists(os.path.join(resume, ".metadata")):  # torch.distributed.checkpoint's index
+        return resume
+    steps = [int(m.group(1)) for m in map(re.compile(r"checkpoint-(\d+)").fullmatch,
+                                           os.listdir(resume) if os.path.isdir(resume) else []) if m]
+    if not steps:
+        raise FileNotFoundError(f"--train.resume {resume}: neither a checkpoint nor a run directory holding one "
+                                "(checkpoint-N, written by --train.save_every)")
+    return os.path.join(resume, f"checkpoint-{max(steps)}")
+
+
+def checkpoint_state(trainer: Trainer, step: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_state, optim_state = get_state_dict(trainer.models.policy, trainer.optimizer)
+    state = {"policy": model_state, "optimizer": optim_state,
+             "meta": {"step": step, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}}
+    if trainer.models.teacher is not None and trainer.models.teacher.copy is not None:
+        state["teacher"] = trainer.models.teacher.state_dict()
+    if trainer.models.reference is not None:
+        state["reference"] = trainer.models.reference.state_dict()
+    if trainer.models.discriminator is not None:  # with its optimizer and step count
+        state["discriminator"] = trainer.models.discriminator.state_dict()
+    return state
+
+
+def save_hf(path: str, policy, tokenizer, d: Dist):
+    """An ordinary HF directory (transformers and vLLM load it), written whole or not at all
+    (the warm-start cache takes a directory with a config.json as complete)."""
+    state = full_state_dict(policy, d.world)
+    if d.rank == 0:
+        partial = path + ".partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        policy.hf.save_pretrained(partial, state_dict=state)
+        tokenizer.save_pretrained(partial)
+        if policy.vision is not None:
+            policy.vision.processor.save_pretrained(partial)
+        replace_dir(partial, path)
+    barrier(d)
+
+
+def replace_dir(src: str, dst: str):
+    """Rename the directory src to dst, replacing dst; durable once it returns."""
+    old = dst + ".old"
+    if os.path.exists(dst):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(dst, old)
+    os.rename(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
+    fd = os.open(os.path.dirname(os.path.abspath(dst)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def barrier(d: Dist):
+    if d.world > 1:
+        dist.barrier()

@@ -1,0 +1,368 @@
+"""The run's configuration: every knob is a flag (tyro), `--section.name value` or
+`--section.name=value` as wandb sweep agents pass them; `python run.py --help` lists them.
+
+The flags' defaults are the pretrained-model preset: what a run on a model you bring
+(`--model.path DIR`) should start from (the comments say where each value comes from). The
+tiny model the project builds needs other values; they are recipes, small files of flag values
+in recipes/ (tiny.py, strops.py, quiz.py), applied by name and printed at the start. Flags
+given on the command line always win over the recipe. The resolved config (the recipe's name
+included) goes to <out_dir>/config.json and the wandb run.
+"""
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+import data
+import feedback
+import losses
+import objectives
+import sdpo
+
+RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
+# The values the run prints beside its recipe's own: what decides how hard an update pushes
+HEADLINE = ("optim.lr", "optim.warmup_steps", "train.mini_batches", "algo.eps_low", "algo.eps_high", "algo.kl_coef",
+            "sdpo.alpha", "sdpo.topk", "sdpo.teacher_rate", "sdpo.include_environment_feedback", "rollout.max_tokens")
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # a local HF model directory; empty: the tiny model built from the task corpus
+    tiny: data.TinyModelConfig = field(default_factory=data.TinyModelConfig)
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig(data.TaskConfig):
+    task: str = "strops"  # a synthetic task (arith, strops) or a .jsonl/.parquet file
+    eval_path: str = ""  # held-out file (default: the task's test split / a hash split of the file)
+    fields: str = ""  # column mapping for files, e.g. prompt=question,answer=solution
+    reward: str = ""  # reward function: math, strops, code, mc or module:function (default: the row's)
+    reward_kwargs: str = ""  # JSON keyword arguments of the reward function, e.g. '{"cpu_seconds": 10}' (code)
+    allow_weak_sandbox: bool = False  # run model-written code even where the sandbox cannot isolate it
+    # (no bubblewrap, no namespaces: README, The code sandbox); without it --data.reward code refuses
+    train_rows: int = 4000  # rows drawn from a synthetic task
+    # held-out rows (a synthetic task: at most this many, fewer where its split has fewer). The rows are
+    # the draws: at 2048 the paired standard error of a 40-step gain is ~0.8 points (docs/results.md)
+    eval_rows: int = 2048
+    max_prompt_len: int = 1024
+
+
+@dataclass
+class RolloutConfig:
+    placement: Literal["colocated", "separate"] = "colocated"
+    engine_process: Literal["auto", "inprocess", "own"] = "auto"
+    dtype: str = ""  # engine dtype; empty: float32 on CPU (exact sync checks), bfloat16 on GPU
+    n: int = 8  # samples per prompt
+    temperature: float = 1.0
+    # A chat model's direct answer (no long reasoning) fits in 256 (TRL's default): 32 truncated
+    # 98% of SmolLM2-135M-Instruct's strops answers, and truncation scores 0. The tiny model's
+    # answers end after a few tokens, so its runs do not pay for the larger limit.
+    max_tokens: int = 256
+    gpu_memory_utilization: float = 0.3  # GPU memory fraction (on CPU only without kv_cache_tokens)
+    kv_cache_tokens: int = 0  # on CPU: tokens the engine's KV cache holds; 0: sized from the run's batches
+    max_model_len: int = 2048
+    sync_tol: float = 0.0  # max |engine - trainer| probe log-prob (nats) after a sync; 0: 1e-3 for a
+    # float32 engine, 1.0 for bfloat16 (docs/sync.md)
+    is_correction: bool = True  # truncated IS weights for the engine-vs-trainer mismatch (and the staleness
+    # of --train.off_policy_steps 1)
+    is_cap: float = 2.0
+    is_level: Literal["token", "sequence"] = "token"
+    eval_temperature: float = 0.6
+    eval_k: int = 4  # avg@k
+    # The held-out evaluation's sampling seed, not --train.seed: runs of every training seed then
+    # draw the same samples from the same weights at step 0, so their curves start together and
+    # differ by what training did (the seed spread of bench/learning.py), not by the eval's draws
+    eval_seed: int = 0
+    rpc_timeout_s: float = 600.0  # longest wait for a weight load into the engine
+
+
+@dataclass
+class AlgoConfig:
+    # the choices are the rows of objectives.OBJECTIVES
+    name: Annotated[Literal[tuple(objectives.OBJECTIVES)],
+                    __import__("tyro").conf.arg(name="algo", prefix_name=False)] = "sdpo"
+    lam: float = 0.9  # hybrid: A = lam * A_grpo + (1 - lam) * A_sdpo
+    norm_adv_by_std: bool = False  # GRPO's advantage divided by the group's std; off: Dr. GRPO, as in the SDPO runs
+    eps_low: float = 0.2  # PPO clip
+    eps_high: float = 0.2  # 0.28 for DAPO's clip-higher
+    gspo_eps_low: float = 3e-4  # GSPO clips a sequence-level ratio: far narrower ranges
+    gspo_eps_high: float = 4e-4
+    kl_coef: float = 0.001  # GAD: weight of the KL to the initial policy (the GAD paper's: k3, 0.001)
+    kl_type: Literal[tuple(k + p for k in losses.KL_KINDS for p in ("", "+"))] = "k3"  # "+": k2's gradient
+    kl_in_reward: bool = False  # GAD: subtract kl_coef * the sequence's KL from the reward instead of a loss term
+    loss_agg_mode: Literal["auto", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] = "auto"  # auto: seq-mean-token-mean for GSPO, else token-mean
+
+
+@dataclass
+class SdpoArgs(sdpo.SdpoConfig):
+    distill: Literal["topk", "full", "token"] = "topk"
+    topk: int = 100
+    add_tail: bool = True
+    # 0 forward KL, 1 reverse KL, between: generalized JSD. 0.5: the paper's choice without rich
+    # feedback (Table 12); reverse KL (1.0) is its choice with rich feedback (recipes/quiz.py)
+    alpha: float = 0.5
+    is_clip: float = 2.0
+    chunked: bool = True  # top-K loss from hidden states, never materialising [tokens, vocab]
+    chunk_size: int = 512
+    # Demonstrations only: the paper's configuration without environment feedback. A weak model
+    # reads feedback badly: SmolLM2-135M-Instruct shown a wrong attempt's feedback solved 5.0% of
+    # word problems against its bare 23.7% (shown a demonstration: 47.5%). recipes/tiny.py turns it on.
+    include_environment_feedback: bool = False
+    teacher: Literal["ema", "frozen", "trust-region", "live"] = "ema"
+    teacher_rate: float = 0.05
+    teacher_micro_batch: int = 32
+    share_teacher_prefix: bool = True  # run each distinct teacher prompt once per micro-batch (KV cache reuse)
+
+
+@dataclass
+class DpoConfig:
+    """Online DPO (pairs among a prompt's samples) and SPIN (the row's reference over each sample)."""
+    pairs: Literal["best_worst", "all"] = "best_worst"  # per prompt: best sample over worst, or every pair
+    # with a reward difference
+    chosen: Literal["sample", "reference"] = "sample"  # reference: SPIN, the row's reference is always chosen
+    loss_type: Literal[losses.DPO_KINDS] = "sigmoid"  # sigmoid, ipo (length-normalised log-probs), hinge, robust
+    beta: float = 0.1
+    label_smoothing: float = 0.0  # ε of sigmoid (conservative DPO) and robust; < 0.5
+    ref_update_every: int = 0  # the reference becomes the policy every N steps (SPIN's iterations); 0: never
+    reference_free: bool = False  # no reference model: the log-ratios are the policy's log-probs alone
+
+    def __post_init__(self):
+        if self.beta <= 0 or not 0 <= self.label_smoothing < 0.5 or self.ref_update_every < 0:
+            raise ValueError(f"--dpo: need beta > 0 (got {self.beta}), 0 <= label_smoothing < 0.5 "
+                             f"(got {self.label_smoothing}), ref_update_every >= 0 (got {self.ref_update_every})")
+        if self.reference_free and self.ref_update_every:
+            raise ValueError("--dpo.reference_free has no reference to refresh: drop --dpo.ref_update_every")
+
+
+@dataclass
+class GadConfig:
+    """GAD (--algo gad): the discriminator and the two stages (docs/gad.md)."""
+    disc_path: str = ""  # a local HF directory for the discriminator's backbone; empty: the student's start
+    # The discriminator's AdamW lr (the paper's 1e-6 is for 8B models); weight decay and betas are --optim's
+    lr: float = 1e-4
+    grad_clip: float = 1.0  # the discriminator's gradient-norm clip
+    policy_loss: Literal["ppo", "gspo"] = "ppo"  # the student's clipped surrogate
+    warmup_steps: int = 0  # stage 1: SFT of the student on the teacher's responses while the discriminator trains
+    critic_warmup: int = 0  # then this many steps train only the discriminator
+    # On a synthetic task the rows have no teacher_response: the project makes a black-box teacher,
+    # the tiny model after this many SFT steps on the task's references (the student's start has
+    # train.warm_start_steps), and writes its sampled text to a JSONL file (cached, docs/gad.md).
+    teacher_steps: int = 1000
+    # the discriminator's score has no fixed scale: GAD's advantages are divided by the group's std
+    norm_adv_by_std: bool = True
+    teacher_temperature: float = 0.6  # the self-made teacher's sampling temperature
+
+    def __post_init__(self):
+        if self.lr <= 0 or self.grad_clip <= 0 or self.warmup_steps < 0 or self.critic_warmup < 0:
+            raise ValueError(f"--gad: need lr > 0 (got {self.lr}), grad_clip > 0 (got {self.grad_clip}), "
+                             f"warmup_steps, critic_warmup >= 0 (got {self.warmup_steps}, {self.critic_warmup})")
+
+
+@dataclass
+class OptimConfig:
+    # For a pretrained model: the rate TRL and verl ship, and the paper's with rich feedback (Table
+    # 12). SmolLM2-135M-Instruct on word problems, 5 steps: GRPO +1.3 +- 1.3 points at 1e-6, +14.2
+    # +- 3.9 at 5e-6, but SDPO -12.5 +- 3.7 at 5e-6; at the tiny model's 1e-4 every objective
+    # collapsed (GRPO 23.7% -> 1.3%). The tiny model takes 1e-4 (recipes/tiny.py).
+    lr: float = 1e-6
+    warmup_steps: int = 10  # the paper's (Table 12)
+    decay: Literal["none", "linear"] = "none"  # linear: to 0 at train.steps (the warm start always decays)
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8  # AdamW's; larger damps the steps of parameters whose gradient is ~0 and noisy
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 40
+    prompts_per_step: int = 16
+    mini_batches: int = 4  # optimizer steps per rollout batch (paper Table 12: 1 without feedback, 32 with rich)
+    micro_batch: int = 32  # sequences per forward/backward on each rank
+    # > 0: each rank's micro-batches are filled in order of length up to this many padded
+    # tokens (sequences x the longest), micro_batch sequences at most: less padding when
+    # lengths vary. The gradient is the same (the loss is normalised by the step's counts).
+    micro_batch_tokens: int = 0
+    share_prompt_prefix: bool = True  # old/reference log-probs: a group's prompt runs once (KV cache reuse)
+    # GRPO/GSPO/DPO/SFT/GAD log-probs from hidden states this many rows of logits at a time, never
+    # [tokens, vocab] (losses.token_logprobs_from_hidden); 0: plain autograd on the full logits
+    head_chunk_size: int = 512
+    seed: int = 0
+    # The tiny model's built-in SFT on the task's references (cached; recipes/ set these per task)
+    warm_start_steps: int = 300
+    # > 0: the warm start ends early, at the first check (every warm_start_check_every steps)
+    # where the bare student's held-out success, estimated without sampling
+    # (run.reference_success), reaches this. A step count alone lands where float rounding
+    # takes it: 1,000 quiz steps left the student at 38.7% in one build and 88.5% in another.
+    warm_start_target: float = 0.0
+    warm_start_check_every: int = 10
+    # The first this many warm-start steps show every prompt as a teacher context (the shares
+    # above, rescaled to sum to 1): copying what a context shows forms before the facts are
+    # learnt, instead of in a race with them (recipes/quiz.py)
+    warm_start_context_steps: int = 0
+    warm_start_batch: int = 32
+    warm_start_lr: float = 2e-3
+    warm_start_seed: int = 0  # one warm start serves every RL seed
+    # its micro_batch_tokens: teacher contexts beside plain prompts leave a batch ~40% padding
+    warm_start_micro_batch_tokens: int = 4096
+    # Shares of warm-start examples whose prompt is a teacher context (sdpo.py's templates)
+    # with the reference as the correct solution, or with a wrong attempt's feedback: they
+    # teach the tiny model to use what SDPO's teacher is shown.
+    warm_start_demo_frac: float = 0.7
+    warm_start_feedback_frac: float = 0.1
+    eval_every: int = 40  # and at the start and the end; 0: never
+    # 1: the engine generates the next batch, with the weights before this update, while the
+    # trainer learns from this one (one step stale; the engine correction covers it: docs/async.md)
+    off_policy_steps: Literal[0, 1] = 0
+    save_every: int = 0  # torch.distributed.checkpoint every N steps; 0: only the final HF model
+    resume: str = ""  # a checkpoint directory written by save_every, or a run's out_dir (its latest one)
+    max_nonfinite_steps: int = 3  # consecutive optimizer steps with a NaN/inf loss before stopping
+
+    def __post_init__(self):
+        if not 0 <= self.warm_start_target <= 1:
+            raise ValueError(f"--train.warm_start_target={self.warm_start_target}: a success rate, 0 to 1 (0: off)")
+        if self.warm_start_context_steps < 0:
+            raise ValueError(f"--train.warm_start_context_steps={self.warm_start_context_steps}: must be >= 0")
+        if self.warm_start_check_every < 1:
+            raise ValueError(f"--train.warm_start_check_every={self.warm_start_check_every}: must be at least 1")
+
+
+@dataclass
+class LogConfig:
+    out_dir: str = "runs/default"
+    overwrite: bool = False  # replace an earlier run's records in out_dir (else the run refuses to start there)
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "sdpo"
+    run_name: str = ""
+    progress: bool = True
+    # Generated samples (prompt, response, reward, feedback) logged each step to
+    # <out_dir>/samples.jsonl and to the wandb run as a table, one per prompt from the first; 0: none
+    samples_per_step: int = 4
+
+
+@dataclass
+class Config:
+    # the values on top of the flags' defaults: auto picks pretrained with --model.path, else
+    # the task's recipes/<task>.py, else recipes/tiny.py; a recipe's name picks it (config.recipe_name)
+    recipe: str = "auto"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    sdpo: SdpoArgs = field(default_factory=SdpoArgs)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    gad: GadConfig = field(default_factory=GadConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    eval_only: bool = False  # evaluate --model.path (avg@k, length, truncation) and exit
+    teacher_gap: bool = False  # with eval_only: also success with the reference as a demonstration / with feedback,
+    # and teacher vs student entropy on the model's own samples (context_entropies)
+    # Test-time self-distillation (paper section 5): train on each of this many held-out prompts
+    # that the initial model fails, alone, and compare discovery with best-of-k; 0: off
+    ttt_prompts: int = 0
+
+
+def parse_config(argv=None) -> Config:
+    """Flags -> Config: the recipe's values (recipes/) on the flags' defaults, then the command
+    line on top. Booleans take a value (--sdpo.add_tail=False), as sweep agents pass them.
+    Every value is resolved here and checked (check_config) before any work starts."""
+    import tyro
+    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = [re.sub(r"=(true|false)$", lambda m: "=" + m.group(1).capitalize(), a, flags=re.I) for a in argv]
+    parse = lambda default: tyro.cli(Config, args=argv, default=default, config=(tyro.conf.FlagConversionOff,))
+    asked = parse(Config())  # which model, task, objective and recipe: they choose the recipe
+    name = recipe_name(asked)
+    cfg = parse(apply_flags(Config(), recipe_flags(name, asked.algo.name), f"recipes/{name}.py"))
+    cfg.recipe = name
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg: Config):
+    """Values that would fail minutes later, after the engine's start, fail here, naming the flag."""
+    c = cfg
+    bounds = [("train.steps", c.train.steps, 0), ("train.prompts_per_step", c.train.prompts_per_step, 1),
+              ("train.mini_batches", c.train.mini_batches, 1), ("train.micro_batch", c.train.micro_batch, 1),
+              ("rollout.n", c.rollout.n, 1), ("rollout.max_tokens", c.rollout.max_tokens, 1),
+              ("rollout.eval_k", c.rollout.eval_k, 1), ("data.train_rows", c.data.train_rows, 1),
+              ("data.eval_rows", c.data.eval_rows, 1), ("sdpo.topk", c.sdpo.topk, 1)]
+    for name, value, least in bounds:
+        if value < least:
+            raise ValueError(f"--{name}={value}: must be at least {least}")
+    for name, value in (("optim.lr", c.optim.lr), ("rollout.temperature", c.rollout.temperature),
+                        ("rollout.eval_temperature", c.rollout.eval_temperature)):
+        if not value > 0:
+            raise ValueError(f"--{name}={value}: must be > 0")
+    if not 0 <= c.sdpo.teacher_rate <= 1:
+        raise ValueError(f"--sdpo.teacher_rate={c.sdpo.teacher_rate}: a rate, 0 to 1")
+    objective = objectives.OBJECTIVES[c.algo.name]  # a unit of the split: a sample, or a prompt's samples together
+    units = c.train.prompts_per_step * (1 if objective.keep_prompts_together or objective.references else c.rollout.n)
+    if c.train.mini_batches > units:
+        raise ValueError(f"--train.mini_batches={c.train.mini_batches}: more optimizer steps than the {units} "
+                         f"{'prompts' if units == c.train.prompts_per_step else 'samples'} of a step")
+    if c.data.reward:
+        feedback.get_reward_fn(c.data.reward)  # raises naming the reward
+    if c.model.path:
+        data.check_model_dir(c.model.path)
+
+
+def recipe_name(cfg: Config) -> str:
+    """--recipe, or for auto: pretrained with --model.path (the flags' defaults), else the task's
+    own recipes/<task>.py where there is one, else tiny."""
+    if cfg.recipe != "auto":
+        if cfg.recipe != "pretrained" and not os.path.exists(os.path.join(RECIPES_DIR, f"{cfg.recipe}.py")):
+            known = sorted(f[:-3] for f in os.listdir(RECIPES_DIR) if f.endswith(".py"))
+            raise ValueError(f"--recipe {cfg.recipe}: no recipes/{cfg.recipe}.py (known: pretrained, {', '.join(known)})")
+        return cfg.recipe
+    if cfg.model.path:
+        return "pretrained"
+    own = cfg.data.task in data.TASKS and os.path.exists(os.path.join(RECIPES_DIR, f"{cfg.data.task}.py"))
+    return cfg.data.task if own else "tiny"
+
+
+def recipe_flags(name: str, algo: str) -> dict:
+    """A recipe's flag values: its BASE recipe's, then its FLAGS, then BY_ALGO[algo]."""
+    if name == "pretrained":
+        return {}
+    values = {}
+    spec = importlib.util.spec_from_file_location(f"recipes.{name}", os.path.join(RECIPES_DIR, f"{name}.py"))
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    if getattr(recipe, "BASE", None):
+        values.update(recipe_flags(recipe.BASE, algo))
+    return {**values, **recipe.FLAGS, **getattr(recipe, "BY_ALGO", {}).get(algo, {})}
+
+
+def apply_flags(cfg: Config, flags: dict, source: str) -> Config:
+    """cfg with flags ({"section.name": value}) set; an unknown name is an error naming source."""
+    for name, value in flags.items():
+        section, _, key = name.rpartition(".")
+        target = getattr(cfg, section, None) if section else cfg
+        if target is None or not hasattr(target, key):
+            raise ValueError(f"{source}: no flag --{name}")
+        setattr(target, key, value)
+    return cfg
+
+
+def describe(cfg: Config) -> str:
+    """The recipe and the values that decide a run's updates, as the run prints them."""
+    flags = recipe_flags(cfg.recipe, cfg.algo.name)
+    source = "the flags' defaults, for a pretrained model" if cfg.recipe == "pretrained" else f"recipes/{cfg.recipe}.py"
+    names = list(flags) + [n for n in HEADLINE if n not in flags]
+    value = lambda n: getattr(getattr(cfg, n.split(".")[0]), n.split(".")[1]) if "." in n else getattr(cfg, n)
+    return f"recipe: {cfg.recipe} ({source}): " + " ".join(f"--{n}={value(n)}" for n in names)
+
+
+def save_config(cfg: Config, out_dir: str):
+    """<out_dir>/config.json: every resolved value, the recipe's name included."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=1)

@@ -1,0 +1,197 @@
+"""Held-out evaluation and what it says about SDPO's prospects.
+
+evaluate: avg@k success on the held-out rows (the rows are the independent draws, so the
+standard error is over rows), mean length, truncation, and the paired gain since step 0.
+teacher_gap / context_entropies (`--eval_only --teacher_gap`): what SDPO's teacher can do on
+this model: success shown a demonstration or a wrong attempt's feedback, and the teacher's
+token entropy against the student's on the student's own samples.
+"""
+import math
+import random
+import sys
+
+import torch
+
+import data
+import feedback
+import losses
+import objectives
+import sdpo
+from config import Config
+from objectives import Dist
+from policy import load_policy, pad_token_id
+from rollout import generate_and_score, rank0_call, reward_function
+
+
+
+def evaluate(engine, tokenizer, rows, cfg: Config, before: list | None = None) -> tuple[dict, list]:
+    """avg@k success and its standard error, mean response length and truncation rate on
+    held-out rows; and each row's success. before: each row's success at an earlier
+    evaluation of the same rows; then also the gain since and its paired standard error."""
+    rollouts = generate_and_score(engine, tokenizer, rows, cfg, cfg.rollout.eval_seed, cfg.rollout.eval_k,
+                                  cfg.rollout.eval_temperature)
+    n = max(len(rollouts), 1)
+    per_row = row_success(rollouts, cfg.rollout.eval_k, cfg)
+    metrics = {
+        "eval/success_rate": success_rate(rollouts, cfg),
+        "eval/success_stderr": stderr(per_row),
+        "eval/reward_mean": sum(r.reward for r in rollouts) / n,
+        "eval/response_length": sum(len(r.response_ids) for r in rollouts) / n,
+        "eval/truncated_frac": sum(r.truncated for r in rollouts) / n,
+    }
+    if before is not None and len(before) == len(per_row):
+        metrics["eval/gain"], metrics["eval/gain_stderr"] = paired_gain(per_row, before)
+    return metrics, per_row
+
+
+def evaluation_due(cfg: Config, step: int) -> bool:
+    """At step 0, every --train.eval_every steps and after the last (--train.eval_every 0: never)."""
+    return bool(cfg.train.eval_every) and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
+
+
+def paired_gain(after: list[float], before: list[float]) -> tuple[float, float]:
+    """Mean gain of per-row success between two evaluations of the same rows, and its
+    standard error over the rows' differences (a row's difficulty is in both and cancels)."""
+    gains = [a - b for a, b in zip(after, before)]
+    return sum(gains) / max(len(gains), 1), stderr(gains)
+
+
+def success_rate(rollouts, cfg: Config) -> float:
+    return sum(r.reward >= cfg.sdpo.success_threshold for r in rollouts) / max(len(rollouts), 1)
+
+
+def row_success(rollouts, k: int, cfg: Config) -> list[float]:
+    """Success of each row's k consecutive samples."""
+    return [success_rate(rollouts[i:i + k], cfg) for i in range(0, len(rollouts), k)]
+
+
+def success_stderr(rollouts, k: int, cfg: Config) -> float:
+    """Standard error of avg@k success over rows: the rows are the independent draws (a row's
+    k samples are not), so it is the spread of per-row success over the square root of the rows."""
+    return stderr(row_success(rollouts, k, cfg))
+
+
+def stderr(values: list[float]) -> float:
+    """Standard error of the mean of independent values (nan for fewer than two)."""
+    if len(values) < 2:
+        return float("nan")
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
+
+
+def teacher_context_ids(tokenizer, row: dict, kind: str, rng: random.Random, cfg: Config) -> list[int] | None:
+    """The row's prompt as SDPO's teacher sees it: with the reference as the demonstration
+    ("demonstration"), or with the feedback on a plausible wrong attempt ("feedback"; None
+    when the task has no wrong-answer generator or the feedback is empty)."""
+    if kind == "demonstration":
+        return sdpo.teacher_prompt_ids(tokenizer, row["messages"], row["reference"], None, cfg.sdpo)
+    wrong = data.wrong_response(row, rng)
+    if wrong is None:
+        return None
+    reward = feedback.score(reward_function(cfg, row), wrong, row, False)
+    return sdpo.teacher_prompt_ids(tokenizer, row["messages"], None, reward.feedback, cfg.sdpo) if reward.feedback else None
+
+
+def teacher_gap(engine, tokenizer, rows, cfg: Config) -> dict:
+    """What SDPO relies on (the paper: it needs in-context ability): eval success of the
+    model shown the reference as a demonstration, and shown a wrong attempt's feedback,
+    next to eval/success_rate on the bare prompts. Sampled with --rollout.eval_seed."""
+    seed = cfg.rollout.eval_seed
+    rng, out = random.Random(seed), {}
+    for kind in ("demonstration", "feedback"):
+        pairs = [(row, teacher_context_ids(tokenizer, row, kind, rng, cfg)) for row in rows if row.get("reference")]
+        pairs = [(row, ids) for row, ids in pairs if ids is not None]
+        if pairs:
+            rollouts = generate_and_score(engine, tokenizer, [r for r, _ in pairs], cfg, seed, cfg.rollout.eval_k,
+                                          cfg.rollout.eval_temperature, prompts=[ids for _, ids in pairs])
+            out[f"eval/success_rate_with_{kind}"] = success_rate(rollouts, cfg)
+            out[f"eval/rows_with_{kind}"] = len(pairs)
+    return out
+
+
+@torch.no_grad()
+def context_entropies(engine, tokenizer, rows, cfg: Config, model_dir: str, device) -> dict:
+    """SDPO's teacher on the model's own samples (the paper: SDPO needs in-context ability).
+
+    Samples --rollout.n responses per row at the training temperature, builds their teacher
+    contexts as a training step would (objectives.prepare_teacher_contexts: a successful
+    sibling, else the feedback), and scores the same response tokens under the bare prompt
+    (the student) and under each teacher context, with the model in model_dir as both. Per
+    kind of context: the mean token entropy of student and teacher on those tokens, and the
+    mean teacher-minus-student log-prob of the sampled tokens. A teacher flatter than the
+    student (positive eval/teacher_minus_student_entropy) pulls the student towards a flatter
+    distribution: distillation then raises the policy's entropy instead of sharpening it.
+    """
+    rollouts = generate_and_score(engine, tokenizer, rows, cfg, cfg.rollout.eval_seed, cfg.rollout.n,
+                                  cfg.rollout.temperature)
+    coverage = objectives.prepare_teacher_contexts(rollouts, tokenizer, cfg)["sdpo/teacher_coverage"]
+    model = load_policy(model_dir, cfg, 1, device).eval()
+    pad_id = pad_token_id(tokenizer)
+
+    def score(seqs: list, response_lens: list) -> list:
+        """(log-probs, entropies) of each sequence's response tokens."""
+        out, size = [], cfg.train.micro_batch
+        for i in range(0, len(seqs), size):
+            packed = data.pack(seqs[i:i + size], response_lens[i:i + size], pad_id, device)
+            lp, ent = objectives.forward(model, packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(
+                h, w, packed.targets, cfg.rollout.temperature, cfg.sdpo.chunk_size))
+            ends = torch.tensor(response_lens[i:i + size]).cumsum(0).tolist()
+            out += [(lp[e - n:e], ent[e - n:e]) for n, e in zip(response_lens[i:i + size], ends)]
+        return out
+
+    rollouts = [r for r in rollouts if r.response_ids]
+    student = score([r.prompt_ids + r.response_ids for r in rollouts], [len(r.response_ids) for r in rollouts])
+    out = {"eval/entropy_student": float(torch.cat([e for _, e in student]).mean()) if student else 0.0}
+    used = [j for j, r in enumerate(rollouts) if r.sdpo_mask > 0]
+    teacher = dict(zip(used, score([rollouts[j].teacher_ids for j in used], [len(rollouts[j].response_ids) for j in used])))
+    cat = lambda pairs, k: torch.cat([p[k] for p in pairs])
+    for kind in ("demonstration", "feedback", "any"):
+        chosen = [j for j in used if kind in ("any", rollouts[j].teacher_context)]
+        if not chosen:
+            continue
+        s_pairs, t_pairs = [student[j] for j in chosen], [teacher[j] for j in chosen]
+        suffix = "" if kind == "any" else f"_{kind}"
+        if kind != "any":
+            out[f"eval/entropy_student_on{suffix}"] = float(cat(s_pairs, 1).mean())
+            out[f"eval/entropy_teacher{suffix}"] = float(cat(t_pairs, 1).mean())
+        out[f"eval/teacher_minus_student_entropy{suffix}"] = float((cat(t_pairs, 1) - cat(s_pairs, 1)).mean())
+        out[f"eval/teacher_minus_student_logprob{suffix}"] = float((cat(t_pairs, 0) - cat(s_pairs, 0)).mean())
+    out["eval/teacher_coverage"] = coverage
+    return out
+
+
+def evaluate_only(cfg: Config, model_dir: str, engine, tokenizer, eval_rows: list, logger, d: Dist) -> dict:
+    """--eval_only: avg@k on the held-out rows (and, with --teacher_gap, what SDPO's teacher can do)."""
+    metrics = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg))[0]
+    if cfg.teacher_gap:
+        metrics.update(rank0_call(d, lambda: teacher_gap(engine, tokenizer, eval_rows, cfg)))
+        metrics.update(rank0_call(d, lambda: context_entropies(engine, tokenizer, eval_rows, cfg, model_dir, d.device)))
+        if d.rank == 0:
+            for warning in teacher_gap_warnings(metrics):
+                print(f"WARNING: {warning}", file=sys.stderr)
+    logger.log(0, metrics)
+    return metrics
+
+
+def teacher_gap_warnings(metrics: dict) -> list[str]:
+    """What --eval_only --teacher_gap says about SDPO's prospects, in words: a teacher context
+    that does no better than the bare student (by two of its standard errors) gives SDPO
+    nothing to teach in the groups that use it, and a teacher flatter than the student on
+    the student's own tokens raises the policy's entropy. Measured cases: SmolLM2 on word
+    problems (feedback 5.0% vs bare 23.7%, +0.214 nats), the quiz near its ceiling
+    (demonstration 67.6%, feedback 79.5% vs bare 87.9%); the default quiz warns of nothing."""
+    bare, margin = metrics["eval/success_rate"], 2 * metrics.get("eval/success_stderr", 0.0)
+    out = []
+    for kind, groups in (("demonstration", "groups with a successful sibling"),
+                         ("feedback", "groups where every sample failed")):
+        shown = metrics.get(f"eval/success_rate_with_{kind}")
+        if shown is not None and shown <= bare + margin:
+            out.append(f"the model shown a {kind} solves {shown:.1%} of held-out rows, no better than the bare "
+                       f"student's {bare:.1%} (+- {margin:.1%}): SDPO's teacher has nothing to teach in {groups} "
+                       f"(docs/LOG.md, 'Near the ceiling'); GRPO or --algo hybrid may do better here.")
+    flatter = metrics.get("eval/teacher_minus_student_entropy")
+    if flatter is not None and flatter > 0:
+        out.append(f"eval/teacher_minus_student_entropy={flatter:+.3f} nats: the teacher is flatter than the "
+                   f"student on its own tokens, so self-distillation will raise the policy's entropy "
+                   f"(docs/results.md, the real pretrained model).")
+    return out

@@ -1,0 +1,138 @@
+"""What a run reports: metrics.jsonl, wandb (offline unless asked), samples.jsonl, the
+progress bar, and early warnings, on rank 0."""
+import dataclasses
+import json
+import os
+import sys
+
+from config import Config, save_config
+
+
+
+# A teacher flatter than its student pulls the student towards a flatter distribution. On
+# SmolLM2-135M-Instruct's own word-problem samples the teacher is +0.18 (demonstration) to +0.22
+# (feedback) nats flatter and SDPO collapses it in 4 steps: one step above 0.1 warns. On the quiz
+# near its ceiling (--data.quiz_max 12 --data.quiz_questions 4) every step logs +0.003..+0.035 and
+# SDPO loses 8 points over 80 steps, while on the default quiz (SDPO gains 11) every step logs
+# -0.073..-0.035 and on the default strops job -0.19..-0.01: a mean above 0 over 5 steps warns.
+FLAT_TEACHER_METRIC, FLAT_TEACHER_NATS = "sdpo/teacher_minus_student_entropy", 0.1
+
+
+FLAT_TEACHER_WINDOW = 5
+
+
+class Logger:
+    """metrics.jsonl, wandb (offline unless asked) and a progress bar, on rank 0."""
+
+    def __init__(self, cfg: Config, rank: int):
+        self.rank, self.cfg, self.run, self.samples, self.warned = rank, cfg, None, None, set()
+        self.recent_gaps = []  # the last FLAT_TEACHER_WINDOW steps' teacher-minus-student entropy
+        if rank != 0:
+            return
+        save_config(cfg, cfg.log.out_dir)
+        self.file = open(os.path.join(cfg.log.out_dir, "metrics.jsonl"), "a")
+        if cfg.log.wandb_mode != "disabled":
+            import wandb
+            self.run = wandb.init(project=cfg.log.wandb_project, name=cfg.log.run_name or None, mode=cfg.log.wandb_mode,
+                                  dir=cfg.log.out_dir, config=dataclasses.asdict(cfg), reinit="finish_previous")
+
+    def log(self, step: int, metrics: dict):
+        if self.rank != 0:
+            return
+        record = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.run is not None:
+            self.run.log(record, step=step)
+        self.warn_once(step, record)
+
+    def warn_once(self, step: int, record: dict):
+        """Early warnings on stderr, each the first time its metric crosses its threshold: a
+        teacher flatter than the student by more than FLAT_TEACHER_NATS in one step, or by
+        any margin on average over FLAT_TEACHER_WINDOW steps."""
+        gap = record.get(FLAT_TEACHER_METRIC)
+        if gap is None or FLAT_TEACHER_METRIC in self.warned:
+            return
+        self.recent_gaps = (self.recent_gaps + [gap])[-FLAT_TEACHER_WINDOW:]
+        window_mean = sum(self.recent_gaps) / len(self.recent_gaps)
+        if gap > FLAT_TEACHER_NATS:
+            why = f"{gap:+.3f} nats (> {FLAT_TEACHER_NATS})"
+        elif len(self.recent_gaps) == FLAT_TEACHER_WINDOW and window_mean > 0:
+            why = f"{window_mean:+.3f} nats on average over the last {FLAT_TEACHER_WINDOW} steps (> 0)"
+        else:
+            return
+        self.warned.add(FLAT_TEACHER_METRIC)
+        print(f"WARNING step {step}: {FLAT_TEACHER_METRIC}={why}: the teacher is flatter than the student on "
+              f"the student's own tokens, so self-distillation will raise the policy's entropy instead of "
+              f"sharpening it. The model likely cannot use its teacher contexts in-context, or they add nothing "
+              f"to what it already solves (docs/results.md: the real pretrained model; docs/LOG.md: near the ceiling); check "
+              f"--eval_only --teacher_gap, and compare with --algo grpo. (Shown once.)", file=sys.stderr)
+
+    def log_samples(self, step: int, rollouts: list):
+        """The first sample of each of the first --log.samples_per_step prompts of a step."""
+        if self.rank != 0 or not self.cfg.log.samples_per_step or not any(r.generated for r in rollouts):
+            return  # reference answers (SFT) are the data's, not samples
+        firsts = rollouts[::self.cfg.rollout.n][:self.cfg.log.samples_per_step]  # rollouts come n per prompt
+        records = [{"step": step, "prompt": r.row["messages"][-1]["content"], "response": r.text, "reward": r.reward,
+                    "feedback": r.feedback, "truncated": r.truncated, "uid": r.row["uid"]} for r in firsts]
+        if self.samples is None:
+            self.samples = open(os.path.join(self.cfg.log.out_dir, "samples.jsonl"), "a")
+        self.samples.write("".join(json.dumps(rec) + "\n" for rec in records))
+        self.samples.flush()
+        if self.run is not None and records:
+            import wandb
+            columns = list(records[0])
+            self.run.log({"samples": wandb.Table(columns=columns, data=[[rec[c] for c in columns] for rec in records])},
+                         step=step)
+
+    def progress(self, start, total):
+        return Progress(start, total, self.rank == 0 and self.cfg.log.progress, self.cfg.algo.name)
+
+    def truncate(self, step: int):
+        """Drop the records after step (a resumed run logs them again)."""
+        if self.rank != 0:
+            return
+        path = self.file.name
+        self.file.close()
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        with open(path + ".partial", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".partial", path)
+        self.file = open(path, "a")
+
+    def close(self):
+        if self.rank == 0 and not self.file.closed:
+            self.file.close()
+            if self.samples is not None:
+                self.samples.close()
+            if self.run is not None:
+                self.run.finish()
+
+
+class Progress:
+    SHOWN = {"reward/mean": "reward", "reward/success_rate": "success", "eval/success_rate": "eval",
+             "sdpo/teacher_coverage": "coverage", "sdpo/divergence": "div", "dpo/accuracy": "pref_acc",
+             "gad/d_acc": "d_acc",
+             "time/step_s": "s/step"}
+
+    def __init__(self, start, total, enabled, desc):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True)
+
+    def update(self, metrics):
+        if self.bar is not None:
+            self.bar.set_postfix({short: f"{metrics[k]:.3g}" for k, short in self.SHOWN.items() if k in metrics})
+            self.bar.update(1)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def status(d, text: str):
+    """One line on rank 0 for what takes a while before the progress bar shows (empty: none)."""
+    if text and d.rank == 0:
+        print(text, flush=True)

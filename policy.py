@@ -1,0 +1,203 @@
+"""The policy and the processes that train it: distributed setup (torchrun: gloo on CPU,
+NCCL on GPUs), the policy module (an HF causal LM whose forward ends in the loss's head),
+FSDP2 sharding, and the Trainer (the policy, the optional models an objective asks for,
+AdamW and its schedule)."""
+import gc
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import data
+from config import Config
+from discriminator import Critic
+from objectives import Dist, Models
+from teacher import Reference, Teacher
+
+
+def setup_distributed() -> Dist:
+    """Under torchrun: gloo on CPU, NCCL on GPUs."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        from datetime import timedelta
+        # A dead peer must surface as an error, not an endless wait.
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
+    return Dist(dist.get_rank() if world > 1 else 0, world, device)
+
+
+def end_distributed(d: Dist):
+    """The end of a torchrun process: every rank here, then the process group destroyed.
+
+    Called once the models are out of scope: gc first, so that FSDP2's states and the
+    collectives' work handles caught in reference cycles are freed while the process group
+    is alive, not during interpreter teardown, where gloo's threads can abort the process.
+    """
+    if d.world > 1:
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+class CausalLM(torch.nn.Module):
+    """An HF causal LM whose forward ends in a caller's head(hidden [N, H], lm_head weight).
+
+    The head runs inside forward so that FSDP2 has the root's (possibly tied) LM-head
+    weight unsharded while the loss uses it, and reduce-scatters its gradient after.
+    """
+
+    def __init__(self, hf, vision: data.ImagePrompts | None = None):
+        super().__init__()
+        self.hf = hf
+        self.vision = vision  # a vision-language model's image processor; None for a text model
+        self.sharded = False  # FSDP2 (set by shard)
+
+    def forward(self, packed: data.Packed, head):
+        """Hidden states at packed's response positions, through head. packed.prefix: prompts
+        shared by several sequences (data.pack_shared_prefix), run once, their KV cache
+        copied to each sequence's row. packed.images: the sequences' pictures (see embed)."""
+        if packed.images and self.vision is None:
+            raise ValueError("sequences with images need a vision-language model")
+        weight = self.hf.lm_head.weight
+        if not self.unsharded_on_gpu():
+            return head(self.response_hidden(packed), weight)
+        # One process leaves the model unsharded, so FSDP2's MixedPrecisionPolicy (bf16 parameters)
+        # never applies, and it trained in float32: 2.4x slower on an H100 at 0.5B
+        # (bench/results/gpu.md). bf16 autocast over the network, and the head in bf16 as FSDP2
+        # runs it; parameters, gradients and AdamW stay float32.
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            hidden = self.response_hidden(packed)
+        return head(hidden.to(torch.bfloat16), weight.to(torch.bfloat16))
+
+    def unsharded_on_gpu(self) -> bool:
+        weight = self.hf.lm_head.weight
+        return not self.sharded and weight.device.type == "cuda" and weight.dtype == torch.float32
+
+    def response_hidden(self, packed: data.Packed) -> torch.Tensor:
+        """The last hidden states [N, H] at packed's response positions."""
+        if self.vision is not None:
+            if packed.prefix is not None:
+                raise ValueError("a vision-language model runs without a shared prefix (objectives.pack)")
+            hidden = self.hf.model(attention_mask=packed.attention_mask, **self.embed(packed)).last_hidden_state
+            return hidden.flatten(0, 1)[packed.hidden_index]
+        past, positions, attention_mask = None, None, packed.attention_mask
+        if packed.prefix is not None:
+            prefix_ids, prefix_mask, prefix_positions, row = packed.prefix
+            past = self.hf.model(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=prefix_positions,
+                                 use_cache=True).past_key_values
+            past.reorder_cache(row)
+            positions = prefix_mask.sum(1)[row, None] + torch.arange(packed.input_ids.shape[1],
+                                                                     device=packed.input_ids.device)
+            attention_mask = torch.cat([prefix_mask[row], attention_mask], dim=1)
+        hidden = self.hf.model(input_ids=packed.input_ids, attention_mask=attention_mask, position_ids=positions,
+                               past_key_values=past, use_cache=packed.prefix is not None).last_hidden_state
+        return hidden.flatten(0, 1)[packed.hidden_index]
+
+    def embed(self, packed: data.Packed) -> dict:
+        """A vision-language model's inputs: token embeddings with the vision tower's outputs
+        in place of the pictures' tokens (packed.image_mask), and Qwen2-VL's 3-D rope
+        positions. Built here rather than by the HF forward, which would put picture features
+        on every image token, including ones the policy generated in a response; vLLM embeds
+        those as text, and so does this."""
+        model, ids = self.hf.model, packed.input_ids
+        embeds = model.get_input_embeddings()(ids)
+        if packed.images:
+            pixels = self.vision.pixel_inputs(packed.image_mask, packed.images)
+            features = model.get_image_features(pixels["pixel_values"].to(ids.device),
+                                                pixels["image_grid_thw"].to(ids.device)).pooler_output
+            embeds = embeds.masked_scatter(packed.image_mask[..., None].to(ids.device),
+                                           torch.cat(features).to(embeds.dtype))
+            positions, _ = model.get_rope_index(ids, mm_token_type_ids=packed.image_mask.long().to(ids.device),
+                                                image_grid_thw=pixels["image_grid_thw"].to(ids.device),
+                                                attention_mask=packed.attention_mask)
+            return {"inputs_embeds": embeds, "position_ids": positions}
+        if self.sharded:
+            # FSDP2: each vision-tower block's all-gather and gradient reduce-scatter are
+            # collectives, so a rank whose sequences have no picture (an idle rank, a text row)
+            # runs the tower too, on a blank picture, and keeps it in the graph with weight 0.
+            pixels = self.vision.pixel_inputs(*self.vision.blank())
+            features = model.get_image_features(pixels["pixel_values"].to(ids.device),
+                                                pixels["image_grid_thw"].to(ids.device)).pooler_output
+            embeds = embeds + 0.0 * features[0].sum()
+        return {"inputs_embeds": embeds}
+
+
+def load_policy(model_dir: str, cfg: Config, world: int, device):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    vision = data.ImagePrompts(model_dir) if data.is_vision_language(model_dir) else None
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    hf = auto.from_pretrained(model_dir, dtype=torch.float32)
+    if cfg.model.gradient_checkpointing:
+        hf.gradient_checkpointing_enable()
+    model = CausalLM(hf, vision).to(device)
+    return shard(model, world, device)
+
+
+def shard(model: CausalLM, world: int, device):
+    """FSDP2: one unit per decoder layer and per vision-tower block, then the root
+    (embeddings, norm, LM head, the vision tower's patch embedding and merger)."""
+    if world == 1:
+        return model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+    kwargs = {"mp_policy": mp} if mp else {}
+    visual = getattr(model.hf.model, "visual", None)
+    for layer in list(model.hf.get_decoder().layers) + list(visual.blocks if visual is not None else []):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    model.sharded = True
+    return model
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def pad_token_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+@dataclass
+class Trainer:
+    """What the updates change: the models, the optimizer and its schedule."""
+    models: Models
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    nonfinite_streak: int = 0  # consecutive optimizer steps skipped for a NaN/inf loss or gradient
+
+
+def build_trainer(cfg: Config, objective, model_dir: str, d: Dist) -> Trainer:
+    """Policy (FSDP2-sharded when world > 1), AdamW with linear warmup, and the optional
+    models the objective asks for."""
+    policy = load_policy(model_dir, cfg, d.world, d.device)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr,
+                                  betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
+                                  weight_decay=cfg.optim.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
+    models = Models(policy)
+    if "teacher" in objective.models:
+        copy = load_policy(model_dir, cfg, d.world, d.device) if cfg.sdpo.teacher != "live" else None
+        models.teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate, copy)
+    if "reference" in objective.models and not cfg.dpo.reference_free:
+        models.reference = Reference(load_policy(model_dir, cfg, d.world, d.device), cfg.dpo.ref_update_every)
+    if "discriminator" in objective.models:
+        import discriminator
+        o, g = cfg.optim, cfg.gad
+        models.discriminator = Critic(discriminator.load(g.disc_path or model_dir, cfg.train.seed, d.world, d.device),
+                                      g.lr, o.weight_decay, g.grad_clip, (o.beta1, o.beta2))
+    return Trainer(models, optimizer, scheduler)
+
+
+def lr_factor(cfg: Config, step: int) -> float:
+    """The learning rate's multiplier at optimizer step `step` (0-based): linear warmup, then
+    constant or a linear decay that reaches 0 after the last of train.steps x mini_batches."""
+    warmup = min(1.0, (step + 1) / max(cfg.optim.warmup_steps, 1))
+    if cfg.optim.decay == "none":
+        return warmup
+    total = cfg.train.steps * cfg.train.mini_batches
+    return warmup * max(0.0, 1.0 - step / total)

@@ -1,0 +1,234 @@
+"""One rollout batch's update: --train.mini_batches optimizer steps, each accumulating this
+rank's micro-batches, every loss normalised by the optimizer step's global counts (all
+micro-batches, all ranks), so that the gradient does not depend on micro-batching or the
+number of ranks. The objective (objectives.OBJECTIVES) supplies the loss; nothing here names
+an algorithm."""
+import contextlib
+import math
+import random
+
+import torch
+import torch.distributed as dist
+
+import data
+import objectives
+from config import Config
+from data import stream_seed
+from objectives import Dist, Models
+from policy import Trainer
+from teacher import full_tensor
+
+
+
+def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step: int, pad_id: int, d: Dist):
+    """One rollout batch's update: --train.mini_batches optimizer steps, each accumulating this
+    rank's micro-batches. Returns (metrics, whether any optimizer step was taken).
+
+    An optimizer step with nothing to learn from (no counted token, e.g. SDPO with no teacher
+    context; or an exactly zero gradient, e.g. GRPO when every reward of every group ties) is
+    skipped: AdamW's momentum and weight decay would otherwise move the weights, and an EMA
+    teacher would follow them."""
+    models = trainer.models
+    models.policy.train()
+    before = objective.before_update(rollouts, models, cfg, pad_id, d)
+    units = micro_batch_units(rollouts, objective)
+    random.Random(stream_seed("shuffle", cfg.train.seed, step)).shuffle(units)
+    # Each optimizer step: its global counts and this rank's micro-batches (None: nothing to learn)
+    lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
+    plan = [(counts, rank_micro_batches(mini_batch, cfg.train.micro_batch, d, lengths, cfg.train.micro_batch_tokens)
+             if counts["tokens"] else None)
+            for mini_batch in split_evenly(units, cfg.train.mini_batches)
+            for counts in [step_counts([rollouts[i] for unit in mini_batch for i in unit], objective)]]
+    old_logprobs = before_update_logprobs(cfg, models.policy, rollouts, units, pad_id, d)
+    teacher_seconds = 0.0
+    if models.teacher is not None:
+        mine = sorted(i for _, micro in plan if micro for part in micro for i in part)
+        teacher_seconds = objectives.cache_teacher_hidden(cfg, models, [rollouts[i] for i in mine], pad_id, d)
+    stats, seconds, step_losses, grad_norms, skipped, stepped = {}, {}, [], [], 0, False
+    for counts, micro in plan:
+        if micro is None:  # every rank sees the same rollouts, so all skip together
+            skipped += 1
+            continue
+        loss, finite = accumulate_gradients(cfg, objective, models, rollouts, micro, old_logprobs, counts, pad_id,
+                                            d, stats, seconds)
+        step_losses.append(loss)
+        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(models.policy.parameters(), cfg.optim.grad_clip)))
+        grad_norms.append(grad_norm)
+        if not (finite and math.isfinite(grad_norm)):
+            trainer.nonfinite_streak += 1
+            if trainer.nonfinite_streak >= cfg.train.max_nonfinite_steps:
+                raise FloatingPointError(
+                    f"step {step + 1}: loss or gradient norm not finite for {trainer.nonfinite_streak} optimizer "
+                    f"steps in a row (last grad norm {grad_norm}); lower --optim.lr or check the data")
+        elif grad_norm == 0.0:
+            skipped += 1
+        else:
+            trainer.optimizer.step()
+            trainer.scheduler.step()
+            stepped, trainer.nonfinite_streak = True, 0
+        trainer.optimizer.zero_grad(set_to_none=True)
+    metrics = {**before, **reduce_stats(stats, step_losses, d.world)}
+    metrics.update({"actor/grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "actor/skipped_steps": skipped,
+                    "actor/lr": trainer.scheduler.get_last_lr()[0],
+                    "time/teacher_s": teacher_seconds + seconds.get("teacher", (0.0,))[0]})
+    return metrics, stepped
+
+
+def before_update_logprobs(cfg: Config, policy, rollouts: list, units: list, pad_id: int, d: Dist) -> list | None:
+    """Log-probs of the rollouts that train (those in units), before the first optimizer step
+    of the batch (None elsewhere); None when there is a single optimizer step."""
+    if cfg.train.mini_batches == 1:
+        return None
+    trained = sorted(i for unit in units for i in unit)
+    logprobs = objectives.response_logprobs(policy, [rollouts[i] for i in trained], pad_id, d, cfg.train.micro_batch,
+                                            cfg.rollout.temperature, objectives.share_prompts(cfg))
+    out = [None] * len(rollouts)
+    for i, values in zip(trained, logprobs):
+        out[i] = values
+    return out
+
+
+def accumulate_gradients(cfg: Config, objective, models: Models, rollouts: list, micro: list, old_logprobs,
+                         counts: dict, pad_id: int, d: Dist, stats: dict, seconds: dict):
+    """Forward and backward over this rank's micro-batches of one optimizer step (micro: lists
+    of rollout indices, [] where this rank idles); adds their statistics into stats. Returns
+    (the summed loss, whether every loss was finite)."""
+    total, finite = 0.0, True
+    for j, part in enumerate(micro):
+        with no_sync_unless(models.policy, d.world, last=j == len(micro) - 1):
+            if part:
+                mb = objectives.micro_batch(models.policy, [rollouts[i] for i in part], counts, pad_id, d.device,
+                                            None if old_logprobs is None else [old_logprobs[i] for i in part], d.world)
+                loss, mb_stats = objective.loss(mb, models, cfg)
+                add_stats(stats, mb_stats)
+                add_stats(seconds, mb.seconds)
+            else:  # this rank has fewer rollouts: take part in the collectives with a zero loss
+                loss = idle_loss(cfg, models, pad_id, d)
+            finite &= bool(torch.isfinite(loss).item())
+            (loss * d.world).backward()  # FSDP2 averages gradients over ranks; the counts are global
+        total += loss.item()
+    return total, finite
+
+
+def rank_micro_batches(units: list, micro_batch: int, d: Dist, lengths: list | None = None,
+                       token_budget: int = 0) -> list[list[int]]:
+    """This rank's micro-batches (lists of rollout indices) of one optimizer step, padded with
+    empty ones to the busiest rank's count: every rank runs as many forward/backward passes
+    (FSDP2's collectives). With a token budget (lengths: each rollout's sequence length), a
+    rank's units are packed shortest first, up to token_budget padded tokens each."""
+    # The order of micro-batches within an optimizer step does not change its gradient:
+    # keeping each prompt's samples together lets them share their teacher prompt's forward.
+    units = sorted(unit for unit in units if unit)  # an objective may leave a prompt with nothing to train
+    longest = lambda unit: max(lengths[i] for i in unit)
+    per_rank = []
+    for r in range(d.world):
+        share, widths = rank_share(units, r, d.world), None  # by index, so that ranks get alike lengths
+        if token_budget:
+            share = sorted(share, key=longest)
+            widths = [longest(u) for u in share]
+        per_rank.append(pack_units(share, micro_batch, widths, token_budget))
+    return per_rank[d.rank] + [[]] * (max(max(len(m) for m in per_rank), 1) - len(per_rank[d.rank]))
+
+
+def idle_loss(cfg: Config, models: Models, pad_id: int, d: Dist):
+    """A zero loss with a forward through the policy (FSDP2's collectives) and, when there is
+    a teacher, through its forwards (collectives too)."""
+    if models.teacher is not None and models.teacher.reads_policy:
+        objectives.teacher_hidden_states(cfg, models, [], pad_id, d.device, d.world)
+    packed = data.pack([[pad_id, pad_id]], [1], pad_id, d.device)
+    return objectives.forward(models.policy, packed, lambda h, w: (h @ w.T).sum() * 0.0)
+
+
+def micro_batch_units(rollouts: list, objective) -> list[list[int]]:
+    """Lists of rollout indices that must share a micro-batch: each sample alone, or a prompt's
+    samples together (objectives that compare siblings, e.g. preference pairs). With
+    counted_only, uncounted rollouts are left out; a unit may then be empty, so that the
+    mini-batches still split the step's prompts the same way whatever their counts."""
+    keep = (lambda i: objective.counted(rollouts[i])) if objective.counted_only else (lambda i: True)
+    if not objective.keep_prompts_together:
+        return [[i] if keep(i) else [] for i in range(len(rollouts))]
+    groups = {}
+    for i, r in enumerate(rollouts):
+        groups.setdefault(r.row["uid"], [])
+        if keep(i):
+            groups[r.row["uid"]].append(i)
+    return list(groups.values())
+
+
+def pack_units(units: list[list[int]], size: int, lengths: list | None = None, token_budget: int = 0) -> list[list[int]]:
+    """Consecutive units in micro-batches of at most `size` sequences and, with lengths (each
+    unit's longest sequence), at most token_budget padded tokens (a larger unit alone)."""
+    out, current, width = [], [], 0
+    for k, unit in enumerate(units):
+        grown = max(width, lengths[k]) if lengths else 0
+        rows = len(current) + len(unit)
+        if current and (rows > size or (token_budget and rows * grown > token_budget)):
+            out.append(current)
+            current, grown = [], lengths[k] if lengths else 0
+        current, width = current + unit, grown
+    return out + ([current] if current else [])
+
+
+def step_counts(rollouts: list, objective) -> dict:
+    """Global token / sequence counts of one optimizer step (all micro-batches, all ranks)."""
+    counted = [r for r in rollouts if r.response_ids and objective.counted(r)]
+    return {"tokens": sum(len(r.response_ids) for r in counted), "sequences": len(counted),
+            "max_len": max((len(r.response_ids) for r in rollouts), default=1), **objective.counts(counted)}
+
+
+def add_stats(into: dict, stats: dict):
+    """Accumulate (sum, count) statistics; names ending in _max keep the maximum."""
+    for name, value in stats.items():
+        if not isinstance(value, tuple):
+            value = (value, 1.0)
+        total, count = into.get(name, (0.0, 0.0))
+        into[name] = (max(total, value[0]), 1.0) if name.endswith("_max") else (total + value[0], count + value[1])
+
+
+def reduce_stats(stats: dict, step_losses: list, world: int) -> dict:
+    """Means of the objective's (sum, count) statistics over micro-batches and ranks (maxima
+    for *_max), and the loss averaged over the optimizer steps taken."""
+    names = sorted(stats)
+    if world > 1:  # a rank without micro-batches has no statistics: agree on the names first
+        gathered = [None] * world
+        dist.all_gather_object(gathered, names)
+        names = sorted(set().union(*gathered))
+    sums = torch.tensor([stats.get(n, (0.0, 0.0))[0] for n in names] + [sum(step_losses)], dtype=torch.float64)
+    counts = torch.tensor([stats.get(n, (0.0, 0.0))[1] for n in names], dtype=torch.float64)
+    maxima = torch.tensor([stats.get(n, (0.0, 0.0))[0] if n.endswith("_max") else 0.0 for n in names],
+                          dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(sums)
+        dist.all_reduce(counts)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    out = {"actor/loss": sums[-1].item() / max(len(step_losses), 1)}
+    for i, name in enumerate(names):
+        out[name] = maxima[i].item() if name.endswith("_max") else sums[i].item() / max(counts[i].item(), 1.0)
+    return out
+
+
+def rank_share(items: list, rank: int, world: int) -> list:
+    """This rank's contiguous part of items (sizes differ by at most one; may be empty)."""
+    size, extra = divmod(len(items), world)
+    start = rank * size + min(rank, extra)
+    return items[start:start + size + (rank < extra)]
+
+
+@contextlib.contextmanager
+def no_sync_unless(policy, world, last: bool):
+    """Skip FSDP2's gradient reduce-scatter on all but the last micro-batch."""
+    if world > 1:
+        policy.set_requires_gradient_sync(last)
+    yield
+
+
+def split_evenly(items: list, parts: int) -> list[list]:
+    if parts < 1 or parts > len(items):
+        raise ValueError(f"--train.mini_batches={parts} must be between 1 and the {len(items)} rollouts of a step")
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for p in range(parts):
+        end = start + size + (p < extra)
+        out.append(items[start:end])
+        start = end
+    return out
