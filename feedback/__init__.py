@@ -42,6 +42,15 @@ TOTAL_CHARS = 2000  # the whole feedback text is cut to this
 MAX_SHOWN_FAILURES = 2
 
 
+def row_field(row: dict, name: str, reward: str):
+    """row[name], which the named reward needs: missing or empty, it is the dataset's error (naming
+    both), not a score of the response."""
+    value = row.get(name)
+    if value is None or value == [] or value == "":
+        raise ValueError(f"{reward} reward needs row[{name!r}]")
+    return value
+
+
 def truncated_reward() -> Reward:
     """What the built-in rewards give a response that hit the length limit: it never delivered a
     final answer, so it scores 0, and the teacher is told to be shorter."""

@@ -30,7 +30,7 @@ import re
 import signal
 
 from feedback import (FIELD_CHARS, TOTAL_CHARS, Reward, cut, io_fields, printable, shortest_first, show_field,
-                      truncated_reward, wrong_answer_feedback)
+                      row_field, truncated_reward, wrong_answer_feedback)
 from feedback.harness import call_text
 from feedback.sandbox import Limits, RunResult, run_tests
 
@@ -206,9 +206,7 @@ def code_reward(response: str, row: dict, truncated: bool, cpu_seconds: float = 
                 memory_mb: int = 512, max_procs: int = 64, max_file_mb: int = 16, disk_mb: int = 64,
                 shm_mb: int = 64, allow_network: bool = False) -> Reward:
     """Score the response's program on row["tests"] (see the module docstring for their kinds)."""
-    tests = row.get("tests")
-    if not tests:
-        raise ValueError("code reward needs row['tests']")
+    tests = row_field(row, "tests", "code")
     if truncated:
         return truncated_reward()
     code = extract_code(response)

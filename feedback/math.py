@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from feedback import Reward, cut, truncated_reward
+from feedback import Reward, cut, row_field, truncated_reward
 
 FORMAT_FEEDBACK = ('Your answer must end with "Answer: <answer>" (or give the final answer in \\boxed{}). '
                    "No final answer was found in your previous response.")
@@ -77,14 +77,12 @@ def normalize(answer: str) -> str:
 
 def math_reward(response: str, row: dict, truncated: bool, reveal_answer: bool = False) -> Reward:
     """1.0 if the final answer equals row["answer"] after normalisation, else 0.0 with feedback."""
-    if row.get("answer") is None:
-        raise ValueError("math reward needs row['answer']")
+    truth = str(row_field(row, "answer", "math"))
     if truncated:
         return truncated_reward()
     answer = extract_answer(response)
     if answer is None:
         return Reward(0.0, FORMAT_FEEDBACK)
-    truth = str(row["answer"])
     if normalize(answer) == normalize(truth):
         return Reward(1.0)
     feedback = f"Your answer {cut(answer, 250)} is incorrect."

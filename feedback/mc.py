@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from feedback import Reward, truncated_reward
+from feedback import Reward, row_field, truncated_reward
 from feedback.math import last_boxed
 
 _ANSWER = re.compile(r"(?i:answer)\s*(?:\*\*)?\s*(?i:is)?\s*[:：]?\s*[*(\[]*\s*([A-J])(?![A-Za-z])")
@@ -33,9 +33,8 @@ def extract_choice(text: str) -> str | None:
 
 def mc_reward(response: str, row: dict, truncated: bool) -> Reward:
     """1.0 if the chosen letter equals row["answer"] (a letter, possibly written "(B)" etc.)."""
-    if row.get("answer") is None:
-        raise ValueError("mc reward needs row['answer']")
+    answer = row_field(row, "answer", "mc")
     if truncated:
         return truncated_reward()
-    truth = extract_choice(str(row["answer"]).strip().upper())
+    truth = extract_choice(str(answer).strip().upper())
     return Reward(1.0 if truth is not None and extract_choice(response) == truth else 0.0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from feedback import Reward, truncated_reward
+from feedback import Reward, row_field, truncated_reward
 
 _ANSWER = re.compile(r"answer\s*:\s*([^\n]*)", re.IGNORECASE)
 _COLOUR_Q = re.compile(r"What colour is the (\w+)\?")
@@ -29,15 +29,14 @@ def question_text(row: dict) -> str:
 
 def shapes_reward(response: str, row: dict, truncated: bool) -> Reward:
     """1.0 if the last 'Answer: X' equals row["answer"] (case and surrounding space ignored)."""
-    if row.get("answer") is None:
-        raise ValueError("shapes reward needs row['answer']")
+    truth = row_field(row, "answer", "shapes")
     if truncated:
         return truncated_reward()
     found = _ANSWER.findall(response)
     if not found or not normalise(found[-1]):
         return Reward(0.0, FORMAT_FEEDBACK)
     given = normalise(found[-1])
-    if given == normalise(row["answer"]):
+    if given == normalise(truth):
         return Reward(1.0)
     question = question_text(row)
     if colour := _COLOUR_Q.search(question):

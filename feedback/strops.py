@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from feedback import TOTAL_CHARS, Reward, cut, io_fields, shortest_first, truncated_reward, wrong_answer_feedback
+from feedback import (TOTAL_CHARS, Reward, cut, io_fields, row_field, shortest_first, truncated_reward,
+                      wrong_answer_feedback)
 
 MAX_OUTPUT_CHARS = 10_000  # model programs are cut off beyond this (plus the expected length)
 
@@ -70,9 +71,7 @@ def extract_program(response: str) -> str:
 def strops_reward(response: str, row: dict, truncated: bool) -> Reward:
     """1.0 iff the program maps every test input to its output. Feedback: the format error, or up to
     two failing tests (shortest input first) with input, output and expected."""
-    tests = row.get("tests")
-    if not tests:
-        raise ValueError("strops reward needs row['tests']")
+    tests = row_field(row, "tests", "strops")
     if truncated:
         return truncated_reward()
     program = extract_program(response)
