@@ -71,6 +71,7 @@ import data  # noqa: E402
 import objectives  # noqa: E402
 import policy  # noqa: E402
 import run  # noqa: E402
+import update  # noqa: E402
 from objectives import Dist, Rollout  # noqa: E402
 from policy import CausalLM, load_policy  # noqa: E402
 from update import rank_micro_batches  # noqa: E402
@@ -323,7 +324,7 @@ def measure(args, algo: str, model_dir: str, d: Dist, shapes: dict, pad_id: int)
     runs = []
     for step in range(args.repeats + 1):
         old_s, teacher_s = [], []
-        with timed_calls(run, "before_update_logprobs", old_s, d.device), \
+        with timed_calls(update, "before_update_logprobs", old_s, d.device), \
                 timed_calls(objectives, "cache_teacher_hidden", teacher_s, d.device):
             sync(d.device)
             t0 = time.perf_counter()
