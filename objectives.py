@@ -763,6 +763,8 @@ class Objective:
     # (rollouts, models, cfg, pad_id, dist) -> metrics
     before_update: Callable = lambda rollouts, models, cfg, pad_id, d: {}
     counted: Callable = lambda rollout: True  # counts in the loss's normalisation
+    # whether its loss can have a gradient: an optimizer step with none is skipped before any forward
+    moves: Callable = lambda rollout: True
     counts: Callable = lambda rollouts: {}  # more global counts of an optimizer step
     counted_only: bool = False  # True: uncounted rollouts are left out of the micro-batches
     keep_prompts_together: bool = False  # True: a prompt's samples always share a micro-batch
@@ -774,8 +776,8 @@ class Objective:
 OBJECTIVES = {
     "sdpo": Objective(loss=sdpo_loss, prepare=prepare_teacher_contexts, counted=lambda r: r.sdpo_mask > 0,
                       models=("teacher",)),
-    "grpo": Objective(loss=grpo_loss, prepare=prepare_advantages),
-    "gspo": Objective(loss=gspo_loss, prepare=prepare_advantages),
+    "grpo": Objective(loss=grpo_loss, prepare=prepare_advantages, moves=lambda r: r.advantage != 0),
+    "gspo": Objective(loss=gspo_loss, prepare=prepare_advantages, moves=lambda r: r.advantage != 0),
     "hybrid": Objective(loss=hybrid_loss, prepare=prepare_hybrid, models=("teacher",)),
     "sft": Objective(loss=sft_loss, references=True),
     "dpo": Objective(loss=dpo_loss, prepare=prepare_pairs, before_update=reference_logprobs,

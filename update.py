@@ -24,10 +24,11 @@ def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step
     """One rollout batch's update: --train.mini_batches optimizer steps, each accumulating this
     rank's micro-batches. Returns (metrics, whether any optimizer step was taken).
 
-    An optimizer step with nothing to learn from (no counted token, e.g. SDPO with no teacher
-    context; or an exactly zero gradient, e.g. GRPO when every reward of every group ties) is
-    skipped: AdamW's momentum and weight decay would otherwise move the weights, and an EMA
-    teacher would follow them."""
+    An optimizer step with nothing to learn from is skipped: no counted token (SDPO with no
+    teacher context), no rollout whose loss can have a gradient (GRPO when every group's rewards
+    tie: objective.moves), both known before any forward, or an exactly zero gradient. AdamW's
+    momentum and weight decay would otherwise move the weights, and an EMA teacher follow them;
+    and on a real model a step of tied groups spent minutes on forwards and backwards of zeros."""
     models = trainer.models
     models.policy.train()
     before = objective.before_update(rollouts, models, cfg, pad_id, d)
@@ -36,10 +37,11 @@ def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step
     # Each optimizer step: its global counts and this rank's micro-batches (None: nothing to learn)
     lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
     plan = [(counts, rank_micro_batches(mini_batch, cfg.train.micro_batch, d, lengths, cfg.train.micro_batch_tokens)
-             if counts["tokens"] else None)
+             if counts["tokens"] and any(objective.moves(rollouts[i]) for unit in mini_batch for i in unit) else None)
             for mini_batch in split_evenly(units, cfg.train.mini_batches)
             for counts in [step_counts([rollouts[i] for unit in mini_batch for i in unit], objective)]]
-    old_logprobs = before_update_logprobs(cfg, models.policy, rollouts, units, pad_id, d)
+    learning = any(micro for _, micro in plan)  # the same on every rank: all skip the old log-probs' forwards
+    old_logprobs = before_update_logprobs(cfg, models.policy, rollouts, units, pad_id, d) if learning else None
     teacher_seconds = 0.0
     if models.teacher is not None:
         mine = sorted(i for _, micro in plan if micro for part in micro for i in part)
