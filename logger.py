@@ -33,8 +33,11 @@ class Logger:
         self.file = open(os.path.join(cfg.log.out_dir, "metrics.jsonl"), "a")
         if cfg.log.wandb_mode != "disabled":
             import wandb
+            # its banner (integrations it detected, product hints) means nothing here: one line instead
+            os.environ.setdefault("WANDB_SILENT", "true")
             self.run = wandb.init(project=cfg.log.wandb_project, name=cfg.log.run_name or None, mode=cfg.log.wandb_mode,
                                   dir=cfg.log.out_dir, config=dataclasses.asdict(cfg), reinit="finish_previous")
+            print(f"wandb ({cfg.log.wandb_mode}): {os.path.dirname(self.run.dir)}", flush=True)
 
     def log(self, step: int, metrics: dict):
         if self.rank != 0:
