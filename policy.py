@@ -128,6 +128,8 @@ class CausalLM(torch.nn.Module):
 
 def load_policy(model_dir: str, cfg: Config, world: int, device):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # a bar per model loaded (policy, teacher, reference) says nothing
     vision = data.ImagePrompts(model_dir) if data.is_vision_language(model_dir) else None
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     hf = auto.from_pretrained(model_dir, dtype=torch.float32)

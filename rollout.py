@@ -233,6 +233,7 @@ class Engine:
                 # Log-probs after temperature: the ones the sampler actually drew from, which
                 # the trainer reproduces by dividing its logits by the same temperature.
                 logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                use_tqdm_on_load=False,  # its bar at every weight sync would break the run's own
                 **engine_args,
             )
         self.start_seconds = time.perf_counter() - t0
