@@ -249,8 +249,8 @@ class LogConfig:
 
 @dataclass
 class Config:
-    # the values on top of the flags' defaults: auto picks pretrained with --model.path, else
-    # the task's recipes/<task>.py, else recipes/tiny.py; a recipe's name picks it (config.recipe_name)
+    # the values on top of the flags' defaults: auto picks pretrained for a --model.path the project
+    # did not build, else the task's recipes/<task>.py, else recipes/tiny.py; a name picks one (config.recipe_name)
     recipe: str = "auto"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -315,14 +315,15 @@ def check_config(cfg: Config):
 
 
 def recipe_name(cfg: Config) -> str:
-    """--recipe, or for auto: pretrained with --model.path (the flags' defaults), else the task's
-    own recipes/<task>.py where there is one, else tiny."""
+    """--recipe, or for auto: pretrained for a --model.path the project did not build (the flags'
+    defaults), else the task's own recipes/<task>.py where there is one, else tiny. A tiny model
+    passed as --model.path (a warm start the benches reuse, a run's final model) keeps its task's."""
     if cfg.recipe != "auto":
         if cfg.recipe != "pretrained" and not os.path.exists(os.path.join(RECIPES_DIR, f"{cfg.recipe}.py")):
             known = sorted(f[:-3] for f in os.listdir(RECIPES_DIR) if f.endswith(".py"))
             raise ValueError(f"--recipe {cfg.recipe}: no recipes/{cfg.recipe}.py (known: pretrained, {', '.join(known)})")
         return cfg.recipe
-    if cfg.model.path:
+    if cfg.model.path and not data.built_here(cfg.model.path):
         return "pretrained"
     own = cfg.data.task in data.TASKS and os.path.exists(os.path.join(RECIPES_DIR, f"{cfg.data.task}.py"))
     return cfg.data.task if own else "tiny"

@@ -1065,6 +1065,16 @@ def tiny_vlm_dir(cfg: TinyVLMConfig | None = None, cache_dir: str | None = None)
 # resized image, and the model puts the vision tower's outputs there.
 
 
+def built_here(model_dir: str) -> bool:
+    """Whether model_dir holds a tiny model this project built, or one trained from it (a warm
+    start, a run's final model): its chat template is ours, which no released model's is."""
+    try:
+        with open(os.path.join(model_dir, "chat_template.jinja")) as f:
+            return f.read() in (CHAT_TEMPLATE, VLM_CHAT_TEMPLATE)
+    except OSError:
+        return False
+
+
 def is_vision_language(model_dir: str) -> bool:
     with open(os.path.join(model_dir, "config.json")) as f:
         return "vision_config" in json.load(f)

@@ -922,9 +922,16 @@ def test_rl_learning_rate_and_sdpo_alpha_are_the_tasks_where_the_flags_are_unset
     assert alpha("--data.task=quiz", "--sdpo.alpha=0.5") == 0.5 and alpha("--sdpo.alpha=0") == 0.0
 
 
-def test_a_model_of_ones_own_gets_the_pretrained_preset_and_the_run_says_so(tiny_dir):
+def test_a_model_of_ones_own_gets_the_pretrained_preset_and_the_run_says_so(tiny_dir, tmp_path):
     """--model.path: the flags' defaults (lr 1e-6, demonstrations only), never the tiny model's 1e-4;
-    --recipe picks one by name; a flag on the command line wins over any recipe."""
+    a tiny model the project built keeps its task's recipe; --recipe picks one by name; a flag on
+    the command line wins over any recipe."""
+    import shutil
+    own = tmp_path / "released-model"  # the tiny model's files under another chat template: not ours
+    shutil.copytree(tiny_dir, own)
+    (own / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert run.parse_config([f"--model.path={tiny_dir}", "--data.task=quiz"]).recipe == "quiz"
+    tiny_dir = str(own)
     cfg = run.parse_config([f"--model.path={tiny_dir}", "--data.task=quiz"])
     assert cfg.recipe == "pretrained" and cfg.optim.lr == 1e-6 and cfg.optim.warmup_steps == 10
     assert cfg.sdpo.include_environment_feedback is False and cfg.sdpo.alpha == 0.5
