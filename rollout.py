@@ -507,9 +507,10 @@ def probe_logprobs(model, ids: list[int], images=None) -> torch.Tensor:
 
 def _quiet_vllm_logging():
     """vLLM's own logging at WARNING (its ~60 INFO lines at start-up mean nothing to a user), and
-    two warnings that are harmless here hidden: "Failed to load weights" of a layer the reload
-    skips (every sync is proven by its probe) and the CPU worker's LD_PRELOAD hints. Only where
-    the user has not configured vLLM's logging (VLLM_LOGGING_LEVEL=INFO shows everything)."""
+    warnings that are harmless here hidden (vllm_plugins/logging.json): "Failed to load weights" of
+    a layer the reload skips (every sync is proven by its probe), the CPU worker's LD_PRELOAD
+    hints, and start-up warnings about settings chosen here on purpose (eager mode, whole-prompt
+    prefill). Only where the user has not configured vLLM's logging (VLLM_LOGGING_LEVEL=INFO)."""
     if not {"VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING"} & set(os.environ):
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = os.path.join(PLUGIN_DIR, "logging.json")
 
