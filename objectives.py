@@ -778,7 +778,8 @@ OBJECTIVES = {
                       models=("teacher",)),
     "grpo": Objective(loss=grpo_loss, prepare=prepare_advantages, moves=lambda r: r.advantage != 0),
     "gspo": Objective(loss=gspo_loss, prepare=prepare_advantages, moves=lambda r: r.advantage != 0),
-    "hybrid": Objective(loss=hybrid_loss, prepare=prepare_hybrid, models=("teacher",)),
+    "hybrid": Objective(loss=hybrid_loss, prepare=prepare_hybrid, models=("teacher",),
+                        moves=lambda r: r.advantage != 0 or r.sdpo_mask > 0),  # without a teacher T - S = 0
     "sft": Objective(loss=sft_loss, references=True),
     "dpo": Objective(loss=dpo_loss, prepare=prepare_pairs, before_update=reference_logprobs,
                      counted=lambda r: r.paired, counted_only=True, keep_prompts_together=True,

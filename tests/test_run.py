@@ -281,13 +281,13 @@ def test_no_success_and_no_feedback_gives_zero_sdpo_loss(tiny_dir, tokenizer):
     assert grads and all(torch.isfinite(g).all() and g.abs().max() == 0 for g in grads)
 
 
-@pytest.mark.parametrize("algo", ["sdpo", "grpo"])
+@pytest.mark.parametrize("algo", ["sdpo", "grpo", "hybrid"])
 def test_a_batch_with_nothing_to_learn_runs_no_forward(tiny_dir, tokenizer, algo):
     """Known before any forward (no teacher context; every group tied): the old log-probs and
     every micro-batch are skipped, not computed and then found to give a zero gradient."""
     cfg = run.parse_config([f"--algo={algo}", "--sdpo.topk=8", "--train.mini_batches=2"])
     policy = _policy(tiny_dir)
-    teacher = Teacher("ema", 0.5, _policy(tiny_dir)) if algo == "sdpo" else None
+    teacher = Teacher("ema", 0.5, _policy(tiny_dir)) if algo in ("sdpo", "hybrid") else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     trainer = run.Trainer(Models(policy, teacher), optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
     rollouts = _rollouts(tokenizer, algo, no_success=True)
@@ -297,7 +297,7 @@ def test_a_batch_with_nothing_to_learn_runs_no_forward(tiny_dir, tokenizer, algo
     policy.register_forward_hook(lambda module, args, out: forwards.append(1))
     metrics, stepped = _update(cfg, trainer, rollouts, tokenizer.pad_token_id)
     assert not stepped and metrics["actor/skipped_steps"] == 2 and forwards == []
-    if algo == "grpo":  # one sample that can move the weights: its optimizer step runs
+    if algo != "sdpo":  # one sample that can move the weights: its optimizer step runs
         rollouts[0].advantage = 0.5
         metrics, stepped = _update(cfg, trainer, rollouts, tokenizer.pad_token_id)
         assert forwards and stepped and metrics["actor/skipped_steps"] == 1
