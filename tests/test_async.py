@@ -224,8 +224,11 @@ def test_each_batch_comes_from_the_weights_before_the_last_update(tiny_dir, toke
 @pytest.mark.parametrize("algo", [pytest.param("sdpo", marks=pytest.mark.extended), "grpo"])
 def test_two_rank_torchrun_generates_ahead(algo, tmp_path):
     out = str(tmp_path / algo)
+    # a reward that differs within a group, so that every step has an update to correct for staleness
+    # (the untrained model's strops rewards all tie, and a step whose groups all tie runs no forward)
+    (tmp_path / "parity.py").write_text("def reward(response, row, truncated):\n    return float(len(response) % 2)\n")
     _run(SMALL + [f"--algo={algo}", "--train.steps=3", "--train.off_policy_steps=1", "--train.eval_every=3",
-                  f"--log.out_dir={out}"], nproc=2)
+                  f"--data.reward={tmp_path / 'parity.py'}:reward", f"--log.out_dir={out}"], nproc=2)
     records = _metrics(out)
     steps = [r for r in records if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3]
