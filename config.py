@@ -358,8 +358,13 @@ def describe(cfg: Config) -> str:
     flags = recipe_flags(cfg.recipe, cfg.algo.name)
     source = "the flags' defaults, for a pretrained model" if cfg.recipe == "pretrained" else f"recipes/{cfg.recipe}.py"
     names = list(flags) + [n for n in HEADLINE if n not in flags]
-    value = lambda n: getattr(getattr(cfg, n.split(".")[0]), n.split(".")[1]) if "." in n else getattr(cfg, n)
-    return f"recipe: {cfg.recipe} ({source}): " + " ".join(f"--{n}={value(n)}" for n in names)
+    return f"recipe: {cfg.recipe} ({source}): " + " ".join(f"--{n}={flag_value(cfg, n)}" for n in names)
+
+
+def flag_value(cfg: Config, name: str):
+    """The value of the flag --name ("section.key", or a top-level key)."""
+    section, _, key = name.rpartition(".")
+    return getattr(getattr(cfg, section) if section else cfg, key)
 
 
 def save_config(cfg: Config, out_dir: str):
