@@ -37,6 +37,7 @@ import losses
 import objectives
 from objectives import Dist, Rollout
 from config import Config
+from logger import status
 from policy import CausalLM, pad_token_id
 from teacher import reshard
 
@@ -614,8 +615,7 @@ def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
         raise ValueError("--train.off_policy_steps 1 needs the engine in its own process "
                          "(--rollout.engine_process own or auto)")
     own = {"auto": True if ahead else None, "inprocess": False, "own": True}[cfg.rollout.engine_process]
-    if d.rank == 0:  # nothing else shows while it starts
-        print(f"engine: starting vLLM on {model_dir} (tens of seconds on a CPU)", flush=True)
+    status(d, f"engine: starting vLLM on {model_dir} (tens of seconds on a CPU)")  # nothing else shows meanwhile
     return rank0_call(d, lambda: Engine(
         model_dir, placement=cfg.rollout.placement, dtype=engine_dtype(cfg, d.device), seed=cfg.train.seed,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, max_model_len=cfg.rollout.max_model_len,

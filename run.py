@@ -344,7 +344,7 @@ def main(argv=None):
     if d.rank == 0:
         print(describe(cfg), flush=True)
     rank0_call(d, lambda: check_out_dir(cfg, resuming=bool(cfg.train.resume)))  # not after the warm start
-    if cfg.data.task not in data.TASKS:  # a data file's rows are checked before a warm start's minutes
+    if cfg.data.task not in data.TASKS and not cfg.model.path:  # a file's rows, before a warm start's minutes
         rank0_call(d, lambda: load_data(cfg), share=False)
     t0 = time.perf_counter()
     model_dir = resolve_model(cfg, d)
