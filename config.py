@@ -79,6 +79,10 @@ class RolloutConfig:
     # differ by what training did (the seed spread of bench/learning.py), not by the eval's draws
     eval_seed: int = 0
     rpc_timeout_s: float = 600.0  # longest wait for a weight load into the engine
+    # On CPU: cores the engine's worker computes on (vLLM binds one OpenMP thread to each).
+    # 0: every core in the synchronous loop (the trainer waits meanwhile), half of them with
+    # --train.off_policy_steps 1 (the trainer works beside it). Ignored by a GPU engine.
+    cpu_threads: int = 0
 
 
 @dataclass
@@ -190,6 +194,10 @@ class TrainConfig:
     # tokens (sequences x the longest), micro_batch sequences at most: less padding when
     # lengths vary. The gradient is the same (the loss is normalised by the step's counts).
     micro_batch_tokens: int = 0
+    # On CPU: each rank's torch threads once the engine runs. 0: the cores (divided among the
+    # node's ranks) that the engine does not compute on beside it: all of them in the synchronous
+    # loop, the other half with --train.off_policy_steps 1 (docs/loop.md, "Threads on a CPU")
+    cpu_threads: int = 0
     share_prompt_prefix: bool = True  # old/reference log-probs: a group's prompt runs once (KV cache reuse)
     # GRPO/GSPO/DPO/SFT/GAD log-probs from hidden states this many rows of logits at a time, never
     # [tokens, vocab] (losses.token_logprobs_from_hidden); 0: plain autograd on the full logits
@@ -292,7 +300,8 @@ def check_config(cfg: Config):
     bounds = [("train.steps", c.train.steps, 0), ("train.prompts_per_step", c.train.prompts_per_step, 1),
               ("train.mini_batches", c.train.mini_batches, 1), ("train.micro_batch", c.train.micro_batch, 1),
               ("rollout.n", c.rollout.n, 1), ("rollout.max_tokens", c.rollout.max_tokens, 1),
-              ("rollout.eval_k", c.rollout.eval_k, 1), ("data.train_rows", c.data.train_rows, 1),
+              ("rollout.eval_k", c.rollout.eval_k, 1), ("rollout.cpu_threads", c.rollout.cpu_threads, 0),
+              ("train.cpu_threads", c.train.cpu_threads, 0), ("data.train_rows", c.data.train_rows, 1),
               ("data.eval_rows", c.data.eval_rows, 1), ("sdpo.topk", c.sdpo.topk, 1)]
     for name, value, least in bounds:
         if value < least:

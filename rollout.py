@@ -181,6 +181,8 @@ class Engine:
     kv_cache_tokens: on CPU, size the KV cache for this many tokens (at least max_model_len)
     instead of gpu_memory_utilization's fraction of the machine (vLLM's default took 8 GB for
     a 135M model); a smaller cache only makes vLLM schedule fewer sequences at once.
+    cpu_cores: on CPU, the cores the engine's worker binds its OpenMP threads to (None: all of
+    this process's; vLLM's own choice would be one core of two, the other left to its scheduler).
 
     The engine counts the versions of its weights (`update_weights(version=...)`) and stamps
     each sample with the one that generated it. `in_background` runs a job that uses the
@@ -192,7 +194,7 @@ class Engine:
     def __init__(self, model_dir: str, placement: str = "colocated", dtype: str = "auto",
                  gpu_memory_utilization: float = 0.3, max_model_len: int = 2048, seed: int = 0,
                  own_process: bool | None = None, engine_gpu: int | None = None, rpc_timeout_s: float = 600.0,
-                 enforce_eager: bool = True, kv_cache_tokens: int = 0):
+                 enforce_eager: bool = True, kv_cache_tokens: int = 0, cpu_cores: list[int] | None = None):
         _quiet_vllm_logging()
         from vllm import LLM
         if placement not in ("colocated", "separate"):
@@ -211,6 +213,8 @@ class Engine:
             gpu = engine_gpu if engine_gpu is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
+        if not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # the user's wins
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpu_cores or sorted(os.sched_getaffinity(0))))
         self.model_dir = model_dir
         self.own_process = own_process
         self.rpc_timeout_s = rpc_timeout_s
@@ -267,6 +271,10 @@ class Engine:
         self._finish_background()
         self._background = Background(fn, name)
         return self._background
+
+    def generating_ahead(self) -> bool:
+        """Whether a background job (the next batch's generation) is still running."""
+        return self._background is not None and not self._background.done.is_set()
 
     def _finish_background(self) -> float:
         """Wait for the background job unless called from it, re-raising its error (its engine
@@ -615,12 +623,63 @@ def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
         raise ValueError("--train.off_policy_steps 1 needs the engine in its own process "
                          "(--rollout.engine_process own or auto)")
     own = {"auto": True if ahead else None, "inprocess": False, "own": True}[cfg.rollout.engine_process]
+    cores = None
+    if d.device.type == "cpu":  # before the engine starts: an in-process one forbids changing threads after
+        cores, beside, alone = cpu_split(cfg)
+        torch.set_num_threads(alone)
+        status(d, f"cpu: the engine computes on cores {cores}; the trainer on {alone} threads a rank"
+                  + (f", {beside} while the engine generates beside it" if beside != alone else ""))
     status(d, f"engine: starting vLLM on {model_dir} (tens of seconds on a CPU)")  # nothing else shows meanwhile
     return rank0_call(d, lambda: Engine(
         model_dir, placement=cfg.rollout.placement, dtype=engine_dtype(cfg, d.device), seed=cfg.train.seed,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, max_model_len=cfg.rollout.max_model_len,
-        own_process=own, rpc_timeout_s=cfg.rollout.rpc_timeout_s,
+        own_process=own, rpc_timeout_s=cfg.rollout.rpc_timeout_s, cpu_cores=cores,
         kv_cache_tokens=kv_cache_tokens(cfg, model_dir, tokenizer, rows, d.device)), share=False)
+
+
+def cpu_split(cfg: Config) -> tuple[list[int], int, int]:
+    """On CPU: (the cores the engine's worker computes on, each rank's torch threads while the
+    engine generates beside the trainer, and while it does not).
+
+    Two OpenMP pools on the same cores slow each other many times over: a thread waiting at a
+    barrier spins while the one it waits for is preempted by the other pool. In the synchronous
+    loop the engine and the trainer take turns, so each gets every core; with
+    --train.off_policy_steps 1 the engine generates on half of them while the trainer learns
+    on the rest, and the trainer takes every core again once that generation has ended
+    (share_cores). A thread count the user set (the flags, OMP_NUM_THREADS,
+    VLLM_CPU_OMP_THREADS_BIND) is kept.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    ahead = cfg.train.off_policy_steps > 0
+    engine = min(len(cores), cfg.rollout.cpu_threads or (max(1, len(cores) // 2) if ahead else len(cores)))
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    alone = max(1, len(cores) // ranks)
+    beside = max(1, (len(cores) - engine) // ranks) if ahead and engine < len(cores) else alone
+    if cfg.train.cpu_threads or "OMP_NUM_THREADS" in os.environ:
+        beside = alone = cfg.train.cpu_threads or torch.get_num_threads()
+    return cores[:engine], beside, alone
+
+
+def share_cores(cfg: Config, engine, models: objectives.Models):
+    """--train.off_policy_steps 1 on CPU: before each forward of the trainer's models, its
+    threads are cpu_split's `beside` while the engine generates the next batch, and `alone`
+    once it has finished. A forward pre-hook, because an OpenMP thread count belongs to the
+    thread that sets it: the trainer's own thread must switch, between its forwards."""
+    if engine is None or cfg.train.off_policy_steps == 0 or torch.cuda.is_available():
+        return
+    _, beside, alone = cpu_split(cfg)
+    if beside == alone:
+        return
+
+    def switch(*_):
+        want = beside if engine.generating_ahead() else alone
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
+    held = [models.policy, models.teacher and models.teacher.copy, models.reference and models.reference.model,
+            models.discriminator and models.discriminator.model]
+    for module in held:
+        if isinstance(module, torch.nn.Module):
+            module.register_forward_pre_hook(switch)
 
 
 def sync_engine(cfg: Config, engine, policy, tokenizer, d: Dist, version: int) -> dict:

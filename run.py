@@ -32,7 +32,7 @@ from evaluate import evaluate, evaluate_only, evaluation_due, success_rate
 from logger import Logger, status
 from objectives import Dist
 from policy import Trainer, build_trainer, end_distributed, load_tokenizer, pad_token_id, setup_distributed
-from rollout import generate_and_score, rank0_call, start_engine, sync_engine
+from rollout import generate_and_score, rank0_call, share_cores, start_engine, sync_engine
 from update import update_policy
 from warm_start import (gad_teacher_config, sft_rollouts, target_reached, teacher_data, tiny_model_dir,
                         warm_start_checks, warm_start_config, warm_start_estimates)
@@ -67,6 +67,7 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
         if cfg.ttt_prompts:
             return test_time_self_distillation(cfg, objective, model_dir, engine, tokenizer, eval_rows, logger, d)
         trainer = build_trainer(cfg, objective, model_dir, d)
+        share_cores(cfg, engine, trainer.models)  # generating ahead on a CPU: whose threads, when
         start_step, ahead, first_eval = restore(cfg, resume, trainer, engine, tokenizer, logger, d)
         evaluate_now = lambda step: generates and evaluation_due(cfg, step)
         metrics = {}  # first_eval: each held-out row's success at step 0; later gains are paired with it
