@@ -196,7 +196,7 @@ class TrainConfig:
     micro_batch_tokens: int = 0
     # On CPU: each rank's torch threads once the engine runs. 0: the cores (divided among the
     # node's ranks) that the engine does not compute on beside it: all of them in the synchronous
-    # loop, the other half with --train.off_policy_steps 1 (docs/loop.md, "Threads on a CPU")
+    # loop, the other half with --train.off_policy_steps 1 while a generation runs (docs/async.md)
     cpu_threads: int = 0
     share_prompt_prefix: bool = True  # old/reference log-probs: a group's prompt runs once (KV cache reuse)
     # GRPO/GSPO/DPO/SFT/GAD log-probs from hidden states this many rows of logits at a time, never
@@ -273,6 +273,9 @@ class Config:
     eval_only: bool = False  # evaluate --model.path (avg@k, length, truncation) and exit
     teacher_gap: bool = False  # with eval_only: also success with the reference as a demonstration / with feedback,
     # and teacher vs student entropy on the model's own samples (context_entropies)
+    # with eval_only on image prompts: also with every picture blank (black, the same size), the
+    # blind check: what the model gets from the pictures is the gap, paired row by row
+    blind: bool = False
     # Test-time self-distillation (paper section 5): train on each of this many held-out prompts
     # that the initial model fails, alone, and compare discovery with best-of-k; 0: off
     ttt_prompts: int = 0
@@ -306,6 +309,9 @@ def check_config(cfg: Config):
     for name, value, least in bounds:
         if value < least:
             raise ValueError(f"--{name}={value}: must be at least {least}")
+    for name in ("teacher_gap", "blind"):
+        if getattr(c, name) and not c.eval_only:
+            raise ValueError(f"--{name} is a measurement of --eval_only; add --eval_only")
     for name, value in (("optim.lr", c.optim.lr), ("rollout.temperature", c.rollout.temperature),
                         ("rollout.eval_temperature", c.rollout.eval_temperature)):
         if not value > 0:

@@ -162,7 +162,9 @@ def context_entropies(engine, tokenizer, rows, cfg: Config, model_dir: str, devi
 
 def evaluate_only(cfg: Config, model_dir: str, engine, tokenizer, eval_rows: list, logger, d: Dist) -> dict:
     """--eval_only: avg@k on the held-out rows (and, with --teacher_gap, what SDPO's teacher can do)."""
-    metrics = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg))[0]
+    metrics, seeing = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg))
+    if cfg.blind:
+        metrics.update(rank0_call(d, lambda: blind_check(engine, tokenizer, eval_rows, cfg, seeing)))
     if cfg.teacher_gap:
         metrics.update(rank0_call(d, lambda: teacher_gap(engine, tokenizer, eval_rows, cfg)))
         metrics.update(rank0_call(d, lambda: context_entropies(engine, tokenizer, eval_rows, cfg, model_dir, d.device)))
@@ -171,6 +173,20 @@ def evaluate_only(cfg: Config, model_dir: str, engine, tokenizer, eval_rows: lis
                 print(f"WARNING: {warning}", file=sys.stderr)
     logger.log(0, metrics)
     return metrics
+
+
+def blind_check(engine, tokenizer, rows: list, cfg: Config, seeing: list) -> dict:
+    """Held-out success with every picture replaced by a black one of the same size (same
+    prompts, same sampling seed), and the seeing-minus-blind gap paired row by row with
+    `seeing`, each row's success with the pictures: a model that ignores its pictures scores
+    the same blind."""
+    from PIL import Image
+    if not any(r.get("images") for r in rows):
+        raise ValueError("--blind: the held-out rows have no pictures")
+    blank = [dict(r, images=[Image.new("RGB", im.size) for im in r["images"]]) if r.get("images") else r for r in rows]
+    blind, _ = evaluate(engine, tokenizer, blank, cfg, seeing)
+    return {"eval/success_rate_blind": blind["eval/success_rate"], "eval/seeing_minus_blind": -blind["eval/gain"],
+            "eval/seeing_minus_blind_stderr": blind["eval/gain_stderr"]}
 
 
 def teacher_gap_warnings(metrics: dict) -> list[str]:

@@ -673,7 +673,7 @@ def test_eval_only_teacher_gap_prints_its_warnings_and_logs_the_gap(tiny_dir, to
     """The engine copies a shown demonstration and otherwise fails: the feedback context adds
     nothing (0% against the bare 0%), which --eval_only --teacher_gap says on stderr."""
     cfg = run.parse_config([f"--log.out_dir={tmp_path}", "--log.wandb_mode=disabled", "--rollout.eval_k=2",
-                            "--rollout.n=2", "--teacher_gap=True"])
+                            "--rollout.n=2", "--eval_only=True", "--teacher_gap=True"])
     logger = run.Logger(cfg, 0)
     got = run.evaluate_only(cfg, tiny_dir, CopyingEngine(tokenizer), tokenizer, data.task_rows("strops", "test", 4),
                             logger, ONE_PROCESS)

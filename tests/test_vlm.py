@@ -554,3 +554,43 @@ def test_two_rank_torchrun_sdpo_on_the_picture_task(tmp_path):
     from transformers import AutoModelForImageTextToText
     AutoModelForImageTextToText.from_pretrained(os.path.join(out, "final"))
     data.ImagePrompts(os.path.join(out, "final"))  # with its image processor: it can be trained on again
+
+
+class SeeingEngine:
+    """Answers each shapes question right when its picture is the row's, and "4" (never the
+    answer to a colour or position question) when the picture is blank."""
+
+    def __init__(self, tokenizer, rows):
+        self.tokenizer = tokenizer
+        self.answers = {row["images"][0].tobytes(): row["answer"] for row in rows}
+
+    def generate(self, prompts, n, temperature, max_tokens, seed, images=None):
+        from rollout import Sample
+        out = []
+        for p, pictures in zip(prompts, images):
+            text = self.answers.get(pictures[0].tobytes(), "4")
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+            out.append([Sample(p, ids, [-1.0] * len(ids), text, False) for _ in range(n)])
+        return out
+
+
+def test_blind_check_scores_the_rows_with_blank_pictures_and_pairs_the_gap(vlm_tokenizer):
+    """--eval_only --blind: the same rows with every picture black and the same size; a model
+    that reads the picture loses what the picture told it, row by row."""
+    from config import parse_config
+    from evaluate import blind_check, evaluate
+    rows = data.task_rows("shapes", "test", 12)
+    cfg = parse_config(["--data.task=shapes", "--rollout.eval_k=2", "--eval_only=True", "--blind=True"])
+    engine = SeeingEngine(vlm_tokenizer, rows)
+    seen, seeing = evaluate(engine, vlm_tokenizer, rows, cfg)
+    got = blind_check(engine, vlm_tokenizer, rows, cfg, seeing)
+    counted_four = sum(row["answer"] == "4" for row in rows) / len(rows)  # a blind "4" is right there
+    assert seen["eval/success_rate"] == 1.0
+    assert got["eval/success_rate_blind"] == pytest.approx(counted_four)
+    assert got["eval/seeing_minus_blind"] == pytest.approx(1.0 - counted_four)
+    assert got["eval/seeing_minus_blind_stderr"] > 0 or counted_four in (0.0, 1.0)
+    assert [im.size for row in rows for im in row["images"]] == [(cfg.data.shapes_image_size,) * 2] * len(rows)
+    with pytest.raises(ValueError, match="--blind: the held-out rows have no pictures"):
+        blind_check(engine, vlm_tokenizer, data.task_rows("strops", "test", 2), cfg, [1.0, 1.0])
+    with pytest.raises(ValueError, match="--blind is a measurement of --eval_only"):
+        parse_config(["--data.task=shapes", "--blind=True"])
