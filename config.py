@@ -59,9 +59,8 @@ class RolloutConfig:
     dtype: str = ""  # engine dtype; empty: float32 on CPU (exact sync checks), bfloat16 on GPU
     n: int = 8  # samples per prompt
     temperature: float = 1.0
-    # A chat model's direct answer (no long reasoning) fits in 256 (TRL's default): 32 truncated
-    # 98% of SmolLM2-135M-Instruct's strops answers, and truncation scores 0. The tiny model's
-    # answers end after a few tokens, so its runs do not pay for the larger limit.
+    # A chat model's direct answer (no long reasoning) fits in 256, TRL's default (a truncated
+    # answer scores 0: 32 truncated 98% of SmolLM2-135M-Instruct's strops answers)
     max_tokens: int = 256
     gpu_memory_utilization: float = 0.3  # GPU memory fraction (on CPU only without kv_cache_tokens)
     kv_cache_tokens: int = 0  # on CPU: tokens the engine's KV cache holds; 0: sized from the run's batches
@@ -75,8 +74,7 @@ class RolloutConfig:
     eval_temperature: float = 0.6
     eval_k: int = 4  # avg@k
     # The held-out evaluation's sampling seed, not --train.seed: runs of every training seed then
-    # draw the same samples from the same weights at step 0, so their curves start together and
-    # differ by what training did (the seed spread of bench/learning.py), not by the eval's draws
+    # start from the same step-0 figure and differ by what training did (docs/loop.md)
     eval_seed: int = 0
     rpc_timeout_s: float = 600.0  # longest wait for a weight load into the engine
     # On CPU: cores the engine's worker computes on (vLLM binds one OpenMP thread to each).
@@ -170,10 +168,8 @@ class GadConfig:
 
 @dataclass
 class OptimConfig:
-    # For a pretrained model: the rate TRL and verl ship, and the paper's with rich feedback (Table
-    # 12). SmolLM2-135M-Instruct on word problems, 5 steps: GRPO +1.3 +- 1.3 points at 1e-6, +14.2
-    # +- 3.9 at 5e-6, but SDPO -12.5 +- 3.7 at 5e-6; at the tiny model's 1e-4 every objective
-    # collapsed (GRPO 23.7% -> 1.3%). The tiny model takes 1e-4 (recipes/tiny.py).
+    # For a pretrained model: the rate TRL and verl ship, and the paper's with rich feedback
+    # (Table 12); measured on SmolLM2-135M-Instruct in the README. The tiny model takes 1e-4 (recipes/tiny.py).
     lr: float = 1e-6
     warmup_steps: int = 10  # the paper's (Table 12)
     decay: Literal["none", "linear"] = "none"  # linear: to 0 at train.steps (the warm start always decays)
@@ -207,8 +203,8 @@ class TrainConfig:
     warm_start_steps: int = 300
     # > 0: the warm start ends early, at the first check (every warm_start_check_every steps)
     # where the bare student's held-out success, estimated without sampling
-    # (run.reference_success), reaches this. A step count alone lands where float rounding
-    # takes it: 1,000 quiz steps left the student at 38.7% in one build and 88.5% in another.
+    # (warm_start.reference_success), reaches this: a step count alone lands where float rounding
+    # takes it (docs/LOG.md, 2026-11-25)
     warm_start_target: float = 0.0
     warm_start_check_every: int = 10
     # The first this many warm-start steps show every prompt as a teacher context (the shares

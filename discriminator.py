@@ -1,18 +1,11 @@
 """GAD's discriminator (the GAD paper, arXiv 2511.10643): a copy of the student's backbone with a scalar head.
 
 D(prompt, response) = w · h_last + b, where h_last is the backbone's final hidden state at the
-sequence's last real token (its EOS for a finished response). It is a network of its own beside
-the policy, with its own AdamW and gradient clip, FSDP2-sharded like the policy and saved in
-the run's checkpoints; the policy never shares its weights.
-
-Each step it is trained with the Bradley–Terry loss −logσ(D(teacher) − D(student)), every
-teacher response paired with every student sample of its prompt, normalised by the step's
-global pair count so that the gradient does not depend on micro-batching or the number of
-ranks. The scores of that training forward are the student's rewards: they come from the
-weights *before* the discriminator's update, as GAD prescribes, at no extra forward.
-
-No dropout: the backbone's dropout rates are set to 0, so that the score a reward is read
-from is the score the loss trains.
+sequence's last real token (its EOS for a finished response); its own AdamW and gradient clip,
+FSDP2-sharded like the policy, no dropout (the score a reward is read from is the score the loss
+trains). Each step: the Bradley–Terry loss −logσ(D(teacher) − D(student)) over every teacher/
+student pair of a prompt, normalised by the step's global pair count; the scores of that
+forward, from the weights *before* the update, are the student's rewards (docs/gad.md).
 """
 import math
 from dataclasses import dataclass

@@ -114,13 +114,11 @@ def context_entropies(engine, tokenizer, rows, cfg: Config, model_dir: str, devi
     """SDPO's teacher on the model's own samples (the paper: SDPO needs in-context ability).
 
     Samples --rollout.n responses per row at the training temperature, builds their teacher
-    contexts as a training step would (objectives.prepare_teacher_contexts: a successful
-    sibling, else the feedback), and scores the same response tokens under the bare prompt
-    (the student) and under each teacher context, with the model in model_dir as both. Per
-    kind of context: the mean token entropy of student and teacher on those tokens, and the
-    mean teacher-minus-student log-prob of the sampled tokens. A teacher flatter than the
-    student (positive eval/teacher_minus_student_entropy) pulls the student towards a flatter
-    distribution: distillation then raises the policy's entropy instead of sharpening it.
+    contexts as a training step would (objectives.prepare_teacher_contexts), and scores the
+    same response tokens under the bare prompt (the student) and under each teacher context,
+    with the model in model_dir as both. Per kind of context: the mean token entropy of
+    student and teacher on those tokens, and the mean teacher-minus-student log-prob of the
+    sampled tokens (docs/loop.md, Evaluation only).
     """
     rollouts = generate_and_score(engine, tokenizer, rows, cfg, cfg.rollout.eval_seed, cfg.rollout.n,
                                   cfg.rollout.temperature)
@@ -193,9 +191,7 @@ def teacher_gap_warnings(metrics: dict) -> list[str]:
     """What --eval_only --teacher_gap says about SDPO's prospects, in words: a teacher context
     that does no better than the bare student (by two of its standard errors) gives SDPO
     nothing to teach in the groups that use it, and a teacher flatter than the student on
-    the student's own tokens raises the policy's entropy. Measured cases: SmolLM2 on word
-    problems (feedback 5.0% vs bare 23.7%, +0.214 nats), the quiz near its ceiling
-    (demonstration 67.6%, feedback 79.5% vs bare 87.9%); the default quiz warns of nothing."""
+    the student's own tokens raises the policy's entropy (measured cases: docs/loop.md)."""
     bare, margin = metrics["eval/success_rate"], 2 * metrics.get("eval/success_stderr", 0.0)
     out = []
     for kind, groups in (("demonstration", "groups with a successful sibling"),

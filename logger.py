@@ -9,12 +9,8 @@ from config import Config, save_config
 
 
 
-# A teacher flatter than its student pulls the student towards a flatter distribution. On
-# SmolLM2-135M-Instruct's own word-problem samples the teacher is +0.18 (demonstration) to +0.22
-# (feedback) nats flatter and SDPO collapses it in 4 steps: one step above 0.1 warns. On the quiz
-# near its ceiling (--data.quiz_max 12 --data.quiz_questions 4) every step logs +0.003..+0.035 and
-# SDPO loses 8 points over 80 steps, while on the default quiz (SDPO gains 11) every step logs
-# -0.073..-0.035 and on the default strops job -0.19..-0.01: a mean above 0 over 5 steps warns.
+# A teacher flatter than its student pulls the student towards a flatter distribution: one step
+# above 0.1 nats, or a mean above 0 over 5 steps, warns (the thresholds' measurements: docs/loop.md)
 FLAT_TEACHER_METRIC, FLAT_TEACHER_NATS = "sdpo/teacher_minus_student_entropy", 0.1
 
 

@@ -145,18 +145,15 @@ def topk_with_tail(student_logits, teacher_logits, k, add_tail=True, temperature
     teacher is detached. Pass full-vocab log-probs straight to sdpo_divergence for the
     full-logit mode instead.
     """
+    teacher_logits = teacher_logits.detach()
     if temperature != 1.0:
         student_logits = student_logits / temperature
-        teacher_logits = teacher_logits.detach() / temperature
-    teacher_logits = teacher_logits.detach()
+        teacher_logits = teacher_logits / temperature
     topk_ids = student_logits.detach().topk(k, dim=-1).indices
-    student_support = _support_logprobs(
-        student_logits.gather(-1, topk_ids), torch.logsumexp(student_logits, dim=-1, keepdim=True), add_tail
-    )
-    teacher_support = _support_logprobs(
-        teacher_logits.gather(-1, topk_ids), torch.logsumexp(teacher_logits, dim=-1, keepdim=True), add_tail
-    )
-    return student_support, teacher_support, topk_ids
+
+    def support(logits):
+        return _support_logprobs(logits.gather(-1, topk_ids), torch.logsumexp(logits, dim=-1, keepdim=True), add_tail)
+    return support(student_logits), support(teacher_logits), topk_ids
 
 
 def sdpo_token_loss(student_token_logprobs, teacher_token_logprobs):
@@ -183,7 +180,7 @@ def _masked_sequence_mean(values, mask):
     return total / mask.sum(-1).clamp(min=1.0)
 
 
-def importance_weights(logprobs, old_logprobs, cap, level="token", mask=None, sequence_reduction="mean"):
+def importance_weights(logprobs, old_logprobs, cap, level="token", mask=None):
     """
     Truncated importance weights, always detached.
 
@@ -194,10 +191,9 @@ def importance_weights(logprobs, old_logprobs, cap, level="token", mask=None, se
     logprobs, old_logprobs [B, L]; mask [B, L] is required for level="sequence".
     For the SDPO IS clip pass (S_tok, old_tok); for rollout correction pass
     (old_tok, rollout_tok).
-    Sequence level uses the *mean* log ratio by default (a known pitfall, "sequence
-    ratios as means not sums"): a sum grows with length, so long responses would sit
-    at the cap or near 0 whatever their per-token mismatch. sequence_reduction="sum"
-    gives the summed form (the reference implementation's) if wanted.
+    Sequence level uses the *mean* log ratio (a known pitfall, "sequence ratios as means not
+    sums"): a sum grows with length, so long responses would sit at the cap or near 0
+    whatever their per-token mismatch.
     A sequence with an empty mask gets weight 1. Masked positions are not zeroed here:
     multiply by the mask (or let aggregate do it).
     """
@@ -207,13 +203,7 @@ def importance_weights(logprobs, old_logprobs, cap, level="token", mask=None, se
     elif level == "sequence":
         if mask is None:
             raise ValueError("level='sequence' needs mask")
-        if sequence_reduction == "mean":
-            seq_log_ratio = _masked_sequence_mean(log_ratio, mask)
-        elif sequence_reduction == "sum":
-            seq_log_ratio = (log_ratio.masked_fill(mask == 0, 0.0) * mask.to(log_ratio.dtype)).sum(-1)
-        else:
-            raise ValueError(f"unknown sequence_reduction {sequence_reduction!r}")
-        log_ratio = seq_log_ratio.unsqueeze(-1).expand_as(logprobs)
+        log_ratio = _masked_sequence_mean(log_ratio, mask).unsqueeze(-1).expand_as(logprobs)
     else:
         raise ValueError(f"unknown level {level!r}")
     return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=cap)
@@ -327,8 +317,8 @@ def kl_estimate(logprobs, ref_logprobs, kind="k3"):
 
         k1   d
         abs  |d|
-        k2   d^2 / 2                     ("mse")
-        k3   exp(-d) + d - 1             ("low_var_kl"; -d clamped to +-20, value to [0, 10])
+        k2   d^2 / 2                     (verl's "mse")
+        k3   exp(-d) + d - 1             (verl's "low_var_kl"; -d clamped to +-20, value to [0, 10])
         "<kind>+"  value of <kind>, gradient of k2: k2 + sg(value - k2)
 
     logprobs, ref_logprobs [...] -> [...]. The reference side is detached. k3 is >= 0.
@@ -336,10 +326,8 @@ def kl_estimate(logprobs, ref_logprobs, kind="k3"):
     in expectation the gradient of KL(pi || ref), while the value stays the named
     estimator's for logging.
     """
-    aliases = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
     straight_through = kind.endswith("+")
     base = kind[:-1] if straight_through else kind
-    base = aliases.get(base, base)
     log_ratio = logprobs - ref_logprobs.detach()
     if base == "k1":
         value = log_ratio
@@ -764,11 +752,7 @@ def sdpo_topk_loss_from_hidden(student_hidden, student_lm_head_weight, teacher_h
     When token_weights [N] (detached) is given, returns the scalar
     sum_n token_weights[n] * loss[n] instead, with the gradients built during forward:
     no recomputation, but the [V, H] weight gradient is held from forward to backward,
-    and only one backward is allowed.
-    Extra memory: two [chunk_size, V] buffers (a third in low precision) plus the
-    gradients, i.e. the [V, H] weight gradient dominates for small chunks. Larger chunks
-    cost memory linearly and save per-chunk overhead: 256 to 512 suits a CPU, a few
-    thousand a GPU.
+    and only one backward is allowed. Memory and chunk sizes: docs/loop.md.
     """
     if teacher_lm_head_weight is None:
         teacher_lm_head_weight = student_lm_head_weight
@@ -840,8 +824,7 @@ def token_logprobs_from_hidden(hidden, weight, targets, temperature=1.0, chunk_s
     logits at a time in one reused buffer and keeps only each row's logsumexp; backward
     accepts any grad_output [N] and re-runs the head in blocks of vocab columns (one
     extra N*V*H matmul: 4/3 of the plain path's head matmuls). The plain path keeps the
-    float32 [N, V] logits (and builds their [N, V] gradient): 4 N V bytes, 1.2 GB for
-    2,048 tokens of a 152k vocabulary, where this keeps two [chunk_size, V] buffers.
+    float32 [N, V] logits and their gradient; this keeps two [chunk_size, V] buffers.
     """
     if chunk_size < 1:
         raise ValueError(f"token_logprobs_from_hidden: chunk_size must be >= 1, got {chunk_size} "

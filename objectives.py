@@ -1,34 +1,12 @@
 """Every objective of the loop in one place: what it needs from a rollout batch, and its loss.
 
-run.py's loop never names an algorithm. It looks `--algo` up once in OBJECTIVES and calls
-that row's plain functions at fixed points of a step:
-
-    references  True: train on the rows' reference responses (SFT) instead of generating
-    models      the optional models it needs beside the policy: "teacher" (SDPO's EMA /
-                frozen / trust-region copy), "reference" (DPO's, GAD's KL anchor),
-                "discriminator" (GAD's, with its own optimizer)
-    row_fields  fields every training row must have (GAD: teacher_response), checked on loading
-    prepare     rank 0, after scoring: write what the loss needs onto the rollouts
-                (advantages, teacher contexts, preference pairs) and return the step's
-                metrics; it may append rollouts that were not generated (SPIN's references)
-    before_update  every rank, on the shared rollouts: what needs a model before the
-                update (DPO's reference log-probs; GAD's discriminator step and rewards)
-    counted     whether a rollout counts in the loss's normalisation (SDPO: it has a teacher
-                context); the loop turns this into the optimizer step's global counts
-    counts      more global counts of an optimizer step from its counted rollouts (DPO: pairs)
-    counted_only  True: rollouts that do not count are left out of the micro-batches (DPO:
-                a sample in no pair has nothing to learn from and costs a forward for nothing)
-    loss        (micro-batch, models, cfg) -> the micro-batch's loss, normalised by the
-                optimizer step's global counts, and {metric: (sum, count)} statistics
-
-To try a new objective: write its prepare and loss with the functions of losses.py, add a
-row. The shared mechanics every loss uses are written once, above the objectives: the
-forward pass (`forward`, `logprob_head`, `policy_logprobs`), the engine-vs-trainer correction
-(`engine_correction`), the rollout statistics (`rollout_stats`) and `aggregate`.
-
-Statistics are (sum, count) pairs so that run.reduce_stats can average them over
-micro-batches and ranks without knowing what they are; a name ending in "_max" is a
-maximum instead (its count is ignored).
+run.py's loop never names an algorithm: it looks `--algo` up once in OBJECTIVES and calls that
+row's plain functions at fixed points of a step (the fields of `Objective`; docs/loop.md,
+Adding an objective). The shared mechanics every loss uses are written once, above the
+objectives: the forward pass (`forward`, `logprob_head`, `policy_logprobs`), the engine-vs-trainer
+correction (`engine_correction`), the rollout statistics (`rollout_stats`) and `aggregate`.
+Statistics are (sum, count) pairs that run.reduce_stats averages over micro-batches and ranks;
+a name ending in "_max" is a maximum instead (its count is ignored).
 """
 import math
 import time
@@ -147,10 +125,8 @@ def pack(model, seqs: list, response_lens: list, pad_id: int, device, images: li
     For a vision-language model, images[i] are sequence i's pictures (the row's: a teacher
     context keeps the prompt's pictures), and each picture's placeholder in seqs[i] is
     expanded to its image tokens unless it already is (the engine's prompt ids are). Such
-    sequences never share a prefix: each runs as an ordinary right-padded row, its pictures
-    concatenated in row order (data.ImagePrompts.pixel_inputs). A shared prefix would need
-    the 3-D rope positions of the prefix's pictures carried into the suffix; the fallback is
-    exact, and costs a teacher forward of the prompt for each sample instead of each prompt.
+    sequences never share a prefix: each runs as an ordinary right-padded row, exact, without
+    carrying 3-D rope positions from a prefix (docs/data.md, In the trainer).
     """
     vision = getattr(model, "vision", None)
     if vision is None:
@@ -538,6 +514,15 @@ def engine_eos(rollouts: list, tokenizer) -> int:
     return max(set(ends), key=ends.count) if ends else tokenizer.eos_token_id
 
 
+def reference_rollout(group: list, tokenizer, eos: int, needed_by: str, key: str = "reference") -> Rollout:
+    """The row's reference response (row[key]) as a rollout appended after a prompt's group:
+    tokenised, ending with eos, not generated (no engine log-probs)."""
+    first = group[0]
+    ids = data.reference_response_ids(tokenizer, first.row, eos, needed_by, key)
+    return Rollout(row=first.row, prompt_ids=first.prompt_ids, response_ids=ids, rollout_logprobs=[0.0] * len(ids),
+                   text=first.row[key], truncated=False, generated=False, sample_index=len(group))
+
+
 def prompt_groups(rollouts: list) -> list[list]:
     """Rollouts grouped by their row's uid, in order of first appearance."""
     groups = {}
@@ -562,12 +547,8 @@ def prepare_pairs(rollouts: list, tokenizer, cfg) -> dict:
         for i, r in enumerate(group):
             r.sample_index = i
         if cfg.dpo.chosen == "reference":
-            first = group[0]
-            ids = data.reference_response_ids(tokenizer, first.row, eos, "--dpo.chosen reference")
-            reference = Rollout(row=first.row, prompt_ids=first.prompt_ids, response_ids=ids,
-                                rollout_logprobs=[0.0] * len(ids), text=first.row["reference"], truncated=False,
-                                generated=False, sample_index=len(group))
-            found = [(len(group), r.sample_index) for r in group if r.response_ids != ids]
+            reference = reference_rollout(group, tokenizer, eos, "--dpo.chosen reference")
+            found = [(len(group), r.sample_index) for r in group if r.response_ids != reference.response_ids]
             ties += len(group) - len(found)
             group.append(reference)
             rollouts.append(reference)
@@ -589,20 +570,27 @@ def sequence_logprobs(token_logprobs: torch.Tensor, lengths: torch.Tensor, cfg) 
     return total / lengths.clamp(min=1) if cfg.dpo.loss_type == "ipo" else total
 
 
-def reference_logprobs(rollouts: list, models: Models, cfg, pad_id: int, d: Dist) -> dict:
-    """Every paired rollout's log-prob under the reference model, once per step, before the
-    update (all ranks take part; each scores a share)."""
-    if models.reference is None:  # --dpo.reference_free
-        return {}
+def reference_token_logprobs(rollouts: list, models: Models, cfg, pad_id: int, d: Dist, metrics: dict) -> list:
+    """Each rollout's per-token log-probs under the reference model (all ranks take part; each
+    scores a share); the seconds it took go into metrics["time/reference_s"]."""
     t0 = time.perf_counter()
-    paired = [r for r in rollouts if r.paired]
-    token_logprobs = response_logprobs(models.reference.model, paired, pad_id, d, cfg.train.micro_batch,
+    token_logprobs = response_logprobs(models.reference.model, rollouts, pad_id, d, cfg.train.micro_batch,
                                        cfg.rollout.temperature, share_prompts(cfg))
-    for r, logprobs in zip(paired, token_logprobs):
+    reshard(models.reference.model)  # a no-grad forward leaves FSDP2's root unsharded
+    metrics["time/reference_s"] = time.perf_counter() - t0
+    return token_logprobs
+
+
+def reference_logprobs(rollouts: list, models: Models, cfg, pad_id: int, d: Dist) -> dict:
+    """Every paired rollout's log-prob under the reference model, once per step, before the update."""
+    metrics = {}
+    if models.reference is None:  # --dpo.reference_free
+        return metrics
+    paired = [r for r in rollouts if r.paired]
+    for r, logprobs in zip(paired, reference_token_logprobs(paired, models, cfg, pad_id, d, metrics)):
         value = math.fsum(logprobs)
         r.reference_logprob = value / max(len(logprobs), 1) if cfg.dpo.loss_type == "ipo" else value
-    reshard(models.reference.model)  # a no-grad forward leaves FSDP2's root unsharded
-    return {"time/reference_s": time.perf_counter() - t0}
+    return metrics
 
 
 def pair_positions(rollouts: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -650,17 +638,7 @@ def dpo_loss(mb: MicroBatch, models: Models, cfg):
 
 # ----------------------------------------------------------------------------------------
 # GAD: on-policy distillation from a black-box teacher's text, a discriminator as the reward
-# (arXiv 2511.10643). Per step: the student samples n responses per prompt;
-# the discriminator, trained with the Bradley–Terry loss to score the teacher's response above
-# every student sample of its prompt, scores them with its weights before this step's update
-# (the rewards); GRPO advantages; PPO-clip or GSPO plus a KL to the frozen initial policy.
-# Stages, by the discriminator's step count s: s < --gad.warmup_steps: SFT of the student on the
-# teacher's responses (the paper's warmup); then --gad.critic_warmup steps that train only the
-# discriminator; then GAD. The discriminator trains in every stage.
-#
-# Deliberate differences from the paper's verl recipe: one discriminator optimizer step per
-# rollout batch; the KL in the reward (--algo.kl_in_reward) uses the engine's log-probs of the
-# sampled tokens (a float32 engine on CPU matches the trainer's to 1e-3).
+# (arXiv 2511.10643; the step, its stages and where it departs from the paper: docs/gad.md)
 
 
 def gad_stage(steps_done: int, cfg) -> str:
@@ -677,11 +655,7 @@ def prepare_teacher_responses(rollouts: list, tokenizer, cfg) -> dict:
     eos = engine_eos(rollouts, tokenizer)
     groups = prompt_groups(rollouts)
     for group in groups:
-        first = group[0]
-        ids = data.reference_response_ids(tokenizer, first.row, eos, f"--algo {cfg.algo.name}", "teacher_response")
-        rollouts.append(Rollout(row=first.row, prompt_ids=first.prompt_ids, response_ids=ids,
-                                rollout_logprobs=[0.0] * len(ids), text=first.row["teacher_response"],
-                                truncated=False, generated=False, sample_index=len(group)))
+        rollouts.append(reference_rollout(group, tokenizer, eos, f"--algo {cfg.algo.name}", "teacher_response"))
     teachers = rollouts[len(rollouts) - len(groups):]
     return {"gad/teacher_length": sum(len(r.response_ids) for r in teachers) / max(len(teachers), 1)}
 
@@ -708,13 +682,8 @@ def gad_rewards(rollouts: list, models: Models, cfg, pad_id: int, d: Dist) -> di
         metrics["gad/student_score_truncated"] = sum(truncated) / len(truncated)
     rewards = torch.tensor([r.discriminator_score for r in samples], dtype=torch.float64)
     if stage == "gad" and models.reference is not None:
-        t0 = time.perf_counter()
-        reference = response_logprobs(models.reference.model, samples, pad_id, d, cfg.train.micro_batch,
-                                      cfg.rollout.temperature, share_prompts(cfg))
-        reshard(models.reference.model)  # a no-grad forward leaves FSDP2's root unsharded
-        metrics["time/reference_s"] = time.perf_counter() - t0
         sequence_kl = []
-        for r, logprobs in zip(samples, reference):
+        for r, logprobs in zip(samples, reference_token_logprobs(samples, models, cfg, pad_id, d, metrics)):
             r.reference_logprobs = logprobs
             sequence_kl.append(losses.kl_estimate(torch.tensor(r.rollout_logprobs), torch.tensor(logprobs),
                                                   cfg.algo.kl_type.rstrip("+")).sum().item())

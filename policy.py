@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import data
+import discriminator
 from config import Config
-from discriminator import Critic
 from objectives import Dist, Models
 from teacher import Reference, Teacher
 
@@ -188,10 +188,9 @@ def build_trainer(cfg: Config, objective, model_dir: str, d: Dist) -> Trainer:
     if "reference" in objective.models and not cfg.dpo.reference_free:
         models.reference = Reference(load_policy(model_dir, cfg, d.world, d.device), cfg.dpo.ref_update_every)
     if "discriminator" in objective.models:
-        import discriminator
         o, g = cfg.optim, cfg.gad
-        models.discriminator = Critic(discriminator.load(g.disc_path or model_dir, cfg.train.seed, d.world, d.device),
-                                      g.lr, o.weight_decay, g.grad_clip, (o.beta1, o.beta2))
+        network = discriminator.load(g.disc_path or model_dir, cfg.train.seed, d.world, d.device)
+        models.discriminator = discriminator.Critic(network, g.lr, o.weight_decay, g.grad_clip, (o.beta1, o.beta2))
     return Trainer(models, optimizer, scheduler)
 
 

@@ -1,21 +1,11 @@
 """The vLLM rollout engine: generation with per-token log-probs, and verified weight sync.
 
-Placements:
-  colocated  the engine shares the trainers' device (the one GPU, or the CPU)
-  separate   the engine runs on its own GPU, the one after the trainers' GPUs
-Rank 0 owns the engine. Its core runs in-process only when this is a single process on
-a colocated device; under torchrun with several ranks an in-process engine joins the
-trainers' process group and hangs, so there the core gets its own process, started with
-torchrun's variables hidden from it.
-
-Every weight sync is proven: after loading, the engine scores a fixed probe sequence and
-the result must match the trainer's log-probs of the same sequence (peer projects have
-shipped syncs that silently changed nothing). For a vision-language model the probe holds
-a picture, so that the vision tower's weights are proven too.
-
-Image prompts: token ids with one image token per picture, and the pictures (PIL). The
-engine expands each image token to the picture's patch count; a Sample's prompt_ids are
-the expanded ids, which data.ImagePrompts rebuilds for the trainer.
+Rank 0 owns the engine: `colocated` on the trainers' device, or `separate` on the GPU after
+theirs; its core runs in its own process (torchrun's variables hidden from it) except for a
+single process on a GPU. Every weight sync is proven: the engine scores a fixed probe
+sequence (with a picture for a vision-language model) and must match the trainer's log-probs
+of it (docs/sync.md). Image prompts are token ids with one image token per picture; a
+Sample's prompt_ids are the engine's expanded ids (data.ImagePrompts).
 """
 import contextlib
 import functools
@@ -180,15 +170,13 @@ class Engine:
     "bfloat16" is what GPUs run (docs/sync.md: the probe tolerance that holds).
     kv_cache_tokens: on CPU, size the KV cache for this many tokens (at least max_model_len)
     instead of gpu_memory_utilization's fraction of the machine (vLLM's default took 8 GB for
-    a 135M model); a smaller cache only makes vLLM schedule fewer sequences at once.
+    a 135M model).
     cpu_cores: on CPU, the cores the engine's worker binds its OpenMP threads to (None: all of
     this process's; vLLM's own choice would be one core of two, the other left to its scheduler).
 
-    The engine counts the versions of its weights (`update_weights(version=...)`) and stamps
-    each sample with the one that generated it. `in_background` runs a job that uses the
-    engine (the next batch's generation) while the caller trains; any other call waits for
-    that job first, so calls take effect in the order they were made and a generation never
-    overlaps a weight load.
+    Each sample is stamped with the version of the weights that generated it. `in_background`
+    runs a job that uses the engine (the next batch's generation) while the caller trains; any
+    other call waits for that job first, so a generation never overlaps a weight load.
     """
 
     def __init__(self, model_dir: str, placement: str = "colocated", dtype: str = "auto",
@@ -449,7 +437,6 @@ for p in processes:
 def _start_reaper(processes: list):
     """A small process that terminates `processes` once this process has gone (its stdin closes)."""
     import subprocess
-    import sys
     return subprocess.Popen([sys.executable, "-c", REAPER] + [str(p.pid) for p in processes],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
 

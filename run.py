@@ -5,13 +5,8 @@
     python run.py --model.path /models/Qwen3-8B --data.task /data/train.parquet \
         --data.fields prompt=question,answer=solution --rollout.placement separate
 
-Every knob is a flag (`python run.py --help`, config.py), also as `--section.name=value`.
-The loop in `train` reads top to bottom as the algorithm: sample prompts, generate,
-score, build teacher contexts, update (mini-batches of micro-batches, losses normalised
-by the optimizer step's global token counts), update the teacher, sync weights into the
-engine (verified), log, evaluate, checkpoint. The mechanics live next door: config.py
-(flags and recipes), policy.py (the model and its sharding), rollout.py (the engine),
-update.py (one batch's update), evaluate.py, checkpoint.py, logger.py, warm_start.py.
+Every knob is a flag (`python run.py --help`, config.py). The loop in `train` reads top to
+bottom as the algorithm (docs/loop.md); the mechanics live next door (README, Files).
 """
 import contextlib
 import copy
@@ -130,11 +125,8 @@ class Batches:
 
     --train.off_policy_steps 0: each batch is generated when it is taken. 1: taking batch t
     starts generating batch t+1 on rank 0 in the background, with the weights the engine
-    holds (version t), while every rank learns from batch t; the engine finishes it before it
-    loads version t+1 (rollout.Engine.in_background). So batch t > 0 comes from version t-1,
-    one update stale, and the engine correction (truncated IS weights on the engine's
-    log-probs against the trainer's at update time) covers the staleness as it covers the
-    engine-vs-trainer mismatch.
+    holds (version t), while every rank learns from batch t: one update stale, which the
+    engine correction covers (docs/async.md).
     """
 
     def __init__(self, cfg: Config, objective, engine, tokenizer, train_rows: list, d: Dist, ahead=None):
@@ -226,16 +218,10 @@ def learn(cfg: Config, objective, trainer: Trainer, engine, tokenizer, rollouts:
 
 def test_time_self_distillation(cfg: Config, objective, model_dir: str, engine, tokenizer, rows: list, logger,
                                 d: Dist) -> dict:
-    """Paper section 5: repeated SDPO steps on one hard question alone, against best-of-k.
-
-    Hard questions: the first --ttt_prompts held-out rows with no success among
-    --rollout.eval_k samples of the initial model at --rollout.temperature. For each, from
-    the initial weights: best-of-k draws k = train.steps * rollout.n samples; self-distillation
-    runs up to train.steps steps of rollout.n samples on the question alone (teacher contexts
-    from the feedback, and from a success once there is one). Each logs the generations
-    until its first success (-1: none within k); the summary is discovery@k, the fraction of
-    questions solved within k generations, for k = n, 2n, ..., train.steps * n.
-    """
+    """Paper section 5: repeated SDPO steps on one hard question alone, against best-of-k
+    (docs/loop.md). Each question logs the generations until its first success (-1: none
+    within k = train.steps * rollout.n); the summary is discovery@k, the fraction of
+    questions solved within k generations, for k = n, 2n, ..., train.steps * n."""
     n, steps, k = cfg.rollout.n, cfg.train.steps, cfg.rollout.eval_k
     first_success = lambda rollouts: next((i + 1 for i, r in enumerate(rollouts)
                                            if r.reward >= cfg.sdpo.success_threshold), None)

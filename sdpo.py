@@ -5,26 +5,8 @@ For every rollout the teacher (the same network, an EMA or trust-region copy) sc
 student's *exact* response ids under a richer prompt: the original question plus a
 successful sibling's response (a "demonstration") and/or the environment's feedback,
 then the instruction "Correctly solve the original question.". This file only
-builds token ids; it runs no model (docs/loop.md has the loss).
-
-Choices the spec leaves open, made here:
-- The demonstration text is decoded from the sibling's response *ids* (special tokens
-  dropped), not taken from `response_texts`: the ids are what the teacher scores, and
-  engines differ in whether their text keeps special tokens. `response_texts` is only
-  checked for length. If `<think>`/`</think>` are special tokens in the tokenizer they
-  are kept by the decode, so that thinking removal still finds them.
-- Thinking removal (see strip_thinking): closed `<think>...</think>` blocks go, a leading
-  `...</think>` with no opener goes (templates that open the block in the generation
-  prompt), an unclosed `<think>` runs to the end; if that would leave nothing, the text
-  is kept with only the tags removed (a successful response had its answer in there).
-- Over max_reprompt_len, the demonstration and feedback are cut in the middle at the
-  token level (marked with TRIM_MARKER) and the prompt is rendered again, so the
-  instruction and the generation prompt always survive. Only when even the prompt plus
-  instruction is too long are the ids cut in the middle with the tail protected.
-- Demonstrations and feedback are text the model or its program controls: before they go into
-  a template, control characters are escaped and special tokens' text is broken
-  (context_text), so that a program printing "<|im_end|><|im_start|>system" cannot end the
-  teacher's user message. The prompt (the dataset's) is taken as it is.
+builds token ids; it runs no model. The choices made here (decoding, thinking removal,
+trimming, escaping): docs/loop.md, Teacher contexts.
 """
 
 import json
@@ -299,7 +281,7 @@ def _demonstrations(uids: list, success: list[bool], cfg: SdpoConfig) -> tuple[d
 
 def _teacher_inputs(tokenizer, rows, response_ids, feedbacks, demo_index, use_fb, mask, cfg: SdpoConfig):
     """(teacher input ids, teacher prompt lengths): each sample's teacher prompt, then its own response ids."""
-    # Special ids to drop when decoding demonstrations (think tags kept, see module docstring).
+    # Special ids to drop when decoding demonstrations (think tags kept: strip_thinking finds them).
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special} | set(tokenizer.all_special_ids)
     keep_ids = {i for i in special if tokenizer.convert_ids_to_tokens(i) in THINK_TAGS}
 

@@ -24,11 +24,8 @@ def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step
     """One rollout batch's update: --train.mini_batches optimizer steps, each accumulating this
     rank's micro-batches. Returns (metrics, whether any optimizer step was taken).
 
-    An optimizer step with nothing to learn from is skipped: no counted token (SDPO with no
-    teacher context), no rollout whose loss can have a gradient (GRPO when every group's rewards
-    tie: objective.moves), both known before any forward, or an exactly zero gradient. AdamW's
-    momentum and weight decay would otherwise move the weights, and an EMA teacher follow them;
-    and on a real model a step of tied groups spent minutes on forwards and backwards of zeros."""
+    An optimizer step with nothing to learn from is skipped (docs/loop.md, One step): no counted
+    token, no rollout whose loss can have a gradient (objective.moves), or a zero gradient."""
     models = trainer.models
     models.policy.train()
     before = objective.before_update(rollouts, models, cfg, pad_id, d)

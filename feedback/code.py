@@ -1,25 +1,11 @@
 """Code reward: run the model's Python program against a row's tests in the sandbox.
 
-A row's `tests` is a list; each test is one of
-    {"input": str, "output": str}                          stdin -> stdout (compared after
-                                                            normalize_output)
-    {"fn": str, "args": list, "kwargs": dict, "expected": v, "tol": float (optional)}
-                                                            call fn(*args, **kwargs), compare the
-                                                            returned value with values_equal
-    {"fn": str, "assert": str}                              run the test code, in which `candidate`
-                                                            and fn's own name call the program's
-                                                            function; it passes if the code runs
-                                                            to its end (HumanEval's check(candidate))
-`fn` may be `Solution.method`: a fresh `Solution()` per call (LeetCode / LiveCodeBench
-"functional" tests). Function-call and assert tests import the program as a module named
-`solution` (its `if __name__ == "__main__":` block does not run).
-
-Binary score: 1.0 only if every test passes. Feedback LeetCode-style: a single error
-if any (format, compile, runtime error, a limit), else up to two failing tests, smallest input
-first, with input, output and expected (for assert tests: the failed line, the last call and
-what it returned); fields cut to 250 chars, the whole text to 2000, control characters escaped.
-Tests run smallest input first and stop at the first error, so the reported error is the one
-of the smallest erroring test. What the sandbox guarantees is in feedback/sandbox.py.
+A test is stdin -> stdout ({"input", "output"}), a function call ({"fn", "args", "kwargs",
+"expected", "tol"}; `fn` may be `Solution.method`) or test code calling `candidate` ({"fn",
+"assert"}): docs/sandbox.md has the table and what the sandbox guarantees. Binary score: 1.0
+only if every test passes. Feedback LeetCode-style: a single error if any (format, compile,
+runtime error, a limit), else up to two failing tests, smallest input first (tests run in that
+order and stop at the first error), fields cut to 250 chars, the whole text to 2000.
 """
 
 from __future__ import annotations

@@ -1,41 +1,13 @@
 """The inside of the code sandbox: the test runner and the program server. Standard library only.
 
-feedback/sandbox.py starts, inside bubblewrap (or directly, when the sandbox is weak):
-
-    python -I harness.py --job FD --out FD     the *runner*: reads the job (JSON) from the first fd,
-                                              runs every test in order, writes one JSON line per
-                                              result to the second
-    python -I harness.py --serve SOLUTION      the *server* (function-call and assert tests): runs
-                                              the program as a module, then answers calls on fds 3
-                                              (requests in) and 4 (replies out)
-
-Who can touch what. The runner is trusted: it holds the test code of assert tests, the only test
-data that would help a program cheat (expected outputs of stdin and function-call tests never
-enter the sandbox; the trainer compares them). The program runs as another uid (the runner is
-root inside the sandbox, with CAP_SETUID/SETGID/KILL only) or, without root, as the same uid
-with the runner non-dumpable and pid 1 of the sandbox, which no process inside can signal; so it
-cannot read the runner's memory or fds, nor kill it. Values cross from the program to the runner
-only as JSON of built-in types (`encode_value`), so no object the program made is ever compared,
-called or hashed outside its own process: an `__eq__` that always says yes stays in the program.
-
-Limits. CPU time is the budget: the runner sums the CPU time of every process of the program,
-live, zombie, or reaped (a reaped child's time is in its parent's cutime, or in our
-RUSAGE_CHILDREN); RLIMIT_CPU per process is a backstop. That sum misses only a child the kernel
-reaps itself, which discards its time: the seccomp filter (`seccomp_filter`) makes that
-impossible (no SIGCHLD disposition, no new user or pid namespace). Wall time only catches programs
-that wait: `idle` is time during which no thread of the program (nor the runner's test code) was
-running or runnable, so a busy machine, which keeps a program runnable but not running, never
-counts against it. Waiting for the disk (state D) is not idle for the first `idle_seconds` of it
-(loading the runtime on a busy machine), then it is: a parent blocked in vfork() is in state D
-too, for as long as its child sleeps. `max_wall_seconds` is a backstop for a machine so
-overloaded that even that is not enough. Memory is the resident memory of all the program's
-processes together (RLIMIT_AS per process on top); memory that no process shows is refused
-(memfd_create, SysV shm/sem/msg, io_uring) or bounded (tmpfs sizes and `max_files` inodes;
-MAX_FDS fds per process for pipe and socket buffers). The runner polls every POLL_SECONDS and
-kills all of the program's processes when a limit fires; a program can overshoot by what it
-allocates within one poll. What goes back is capped: stdout at the job's stdout_cap, stderr to
-its tail, a returned value at the call's max_bytes and max_nodes (JSON text and values built),
-before anything is parsed.
+feedback/sandbox.py starts `python -I harness.py --job FD --out FD` (the *runner*: runs every
+test of the job in order, one JSON line per result), which starts `python -I harness.py --serve
+SOLUTION` (the *server*: runs the program as a module, answers calls on fds 3 and 4) for
+function-call and assert tests. The runner is trusted; values cross from the program only as
+JSON of built-in types (`encode_value`). CPU time of all the program's processes is the budget,
+idle time and a wall-clock backstop catch waiting, resident memory of all processes is bounded;
+the runner polls and kills all of the program when a limit fires. Who can touch what and how
+each limit is measured: docs/sandbox.md.
 """
 
 from __future__ import annotations
@@ -396,20 +368,26 @@ class Runner:
         if pid is not None:
             _kill(pid)
             code = os.waitstatus_to_exitcode(os.wait4(pid, 0)[1])
+        self.kill_program(reap=True)
+        return code
+
+    def kill_program(self, reap: bool = False) -> None:
+        """SIGKILL every process of the program, reaping them with reap (the main thread only:
+        the watch's thread must not reap the main process the main thread waits for)."""
         if self.pid1:
             _kill(-1)
-            _reap(block=True)
-            return code
-        for _ in range(1000):
-            live = [p for p, st in self.program_procs() if st[0] != "Z"]
-            for p in live:
-                _kill(p)
-            _reap()
-            if not live:
-                break
-            time.sleep(0.002)
-        _reap()
-        return code
+        else:
+            for _ in range(1000):  # outside a pid namespace: until no process is left
+                live = [p for p, st in self.program_procs() if st[0] != "Z"]
+                for p in live:
+                    _kill(p)
+                if reap:
+                    _reap()
+                if not live:
+                    break
+                time.sleep(0.002)
+        if reap:
+            _reap(block=self.pid1)
 
     # --- tests
 
@@ -773,21 +751,9 @@ class Watch:
                 elif now - self._t_budget > lim["max_wall_seconds"]:
                     self.fired = "wall"
             if self.fired:
-                self._kill_program()
+                self.runner.kill_program()
                 return
             self._reap_orphans()
-
-    def _kill_program(self) -> None:
-        if self.runner.pid1:
-            _kill(-1)
-            return
-        for _ in range(1000):  # outside a pid namespace: until no process is left
-            live = [p for p, st in self.runner.program_procs() if st[0] != "Z"]
-            if not live:
-                return
-            for p in live:
-                _kill(p)
-            time.sleep(0.002)
 
     def _reap_orphans(self) -> None:
         """Reap zombies re-parented to us, except the main process (the main thread waits for it)."""

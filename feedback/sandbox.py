@@ -1,67 +1,17 @@
 """Run an untrusted Python program against tests, isolated from the machine that trains on it.
 
-    trainer thread ── bwrap (namespaces, mounts) ── runner: harness.py, pid 1 of the sandbox
-                                                      └─ program, as an unprivileged uid
-                                                           └─ whatever it forks
-
-One sandbox per `run_tests` call (one rollout's tests). bubblewrap (Debian package `bubblewrap`,
-the sandbox of Flatpak) builds it: new mount, pid, network, ipc and uts namespaces, so the
-program sees
-
-    /usr, /lib*, /bin, the Python installation       read-only (the runtime)
-    /sandbox (its directory and HOME), /tmp, /var/tmp one tmpfs of disk_mb (at most max_files inodes)
-    /dev/shm                                          its own tmpfs of shm_mb
-    /proc, /dev                                       the sandbox's own (its processes only)
-
-and nothing else: not the dataset, the project, the home directory, other sandboxes, sockets on
-disk; no network (not even loopback, nor abstract Unix sockets). Every tmpfs and every process
-disappears with the sandbox: the runner is pid 1 of the pid namespace, so when it exits the
-kernel kills whatever is left, and bwrap's --die-with-parent does the same if the trainer dies.
-Inside, feedback/harness.py runs each test in fresh processes and enforces the limits (see its
-docstring): CPU time of all processes together (the budget), idle time (catches sleepers, not
-busy machines), a wall-clock backstop, resident memory of all processes together, process
-count, file size, inodes; a seccomp filter keeps the CPU time of every process countable and
-refuses memory that no process shows (memfds, SysV IPC). Expected outputs never enter the sandbox;
-the trainer compares, and what the program can send back (stdout, a returned value) is capped by
-the size of what the test expects, so a rollout costs the trainer memory in proportion to its row.
-
-The Python installation may live anywhere (/usr, /opt, a home directory, a conda prefix, a venv
-under /tmp or /var/tmp): /tmp and /var/tmp are made first, as relative symlinks into the sandbox's
-tmpfs, so that a runtime under them is mounted through them; its top directory there is a small
-read-only tmpfs, which the program cannot rename away from the interpreter.
-
-As root (the usual GPU box) the program runs as a uid of its own (UID_BASE.., one per concurrent
-sandbox, flock-ed) with no_new_privs, so RLIMIT_NPROC limits it (root is exempt) and it cannot
-signal or ptrace the runner (root inside, with CAP_SETUID/SETGID/KILL only). Without root,
-bwrap needs unprivileged user namespaces; the program then shares the runner's uid, which is
-safe because the runner is pid 1 (no signals from inside) and non-dumpable (no ptrace, no
-/proc/1/mem or fds), and because the whole sandbox is in a user namespace without capabilities.
-
-What does NOT hold, even with bubblewrap:
-- the seccomp filter (feedback/harness.py) refuses only what would defeat the limits; every other
-  system call is open, so kernel bugs are out of scope; it exists for x86_64 and aarch64 only;
-- memory is polled (every 10 ms), so a tree can overshoot by what it allocates in that time;
-  shared pages of forked processes count once per process; tmpfs contents are RAM on top of
-  memory_mb (bounded by disk_mb + shm_mb, and max_files inodes of about 1 KiB each); kernel
-  buffers of pipes and sockets are not counted: at most 64 fds per process, about 6.5 MiB of
-  socket buffers each, so up to ~0.4 GiB for 64 processes (pipes: 64 MiB per uid, the kernel's
-  default);
-- the tests of one call share /sandbox, /tmp and /dev/shm (each test has a fresh process and
-  working directory): a program can pass notes from one test to the next;
-- without root, RLIMIT_NPROC counts the trainer's own processes too: the limit is set that many
-  above max_procs.
-
-Without bubblewrap (or where namespaces are not allowed, e.g. docker's default seccomp
-profile) the sandbox is *weak*: no filesystem isolation (world-readable files, the dataset
-included, are readable; /tmp and /dev/shm are shared and unbounded), no pid namespace (cleanup
-by process tree and uid), no network isolation, and without root not even a separate uid.
-`isolation()` says which; `require_isolation` refuses to go on unless the user accepts it
-(`--data.allow_weak_sandbox=True`), and says so once, loudly.
+One sandbox per `run_tests` call (one rollout's tests), built by bubblewrap: new mount, pid,
+network, ipc and uts namespaces; the program sees the runtime read-only, its own tmpfs
+directories, and nothing else. Inside, feedback/harness.py runs each test in fresh processes
+and enforces the limits. Without bubblewrap the sandbox is *weak*: `isolation()` says which,
+and `require_isolation` refuses to go on unless the user accepts it. What holds and what does
+not, the mounts and the uid pool: docs/sandbox.md.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import pwd
@@ -74,13 +24,12 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 
-from feedback.harness import KEPT_OUTPUT as KEPT, decode_value, encode_value
+from feedback.harness import KEPT_OUTPUT as KEPT, SAFE_PATH, decode_value, encode_value
 
 # Uids the programs run as when we are root, one per concurrent sandbox, so that one program's
 # process budget (RLIMIT_NPROC counts per uid) is its own. Uids of real accounts are skipped.
 UID_BASE = 62000
 UID_COUNT = 256
-SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
 ROOT = "/sandbox"  # the program's writable directory, inside the sandbox
 HARNESS_INSIDE = "/opt/sdpo/harness.py"
@@ -271,12 +220,11 @@ def run_tests(code: str, tests: list[dict], limits: Limits | None = None,
     try:
         if iso.root:
             uid, lock_fd = _acquire_uid()
-        if iso.isolated:
-            nproc_base = 0 if iso.root else _tasks_of_uid(os.getuid()) + RUNNER_TASKS
-        else:
+        if not iso.isolated:
             root_dir = tempfile.mkdtemp(prefix="sdpo-sandbox-")
             os.chmod(root_dir, 0o1733 if uid is not None else 0o700)  # the uid may create, not list
-            nproc_base = 0 if uid is not None else _tasks_of_uid(os.getuid()) + RUNNER_TASKS
+        # RLIMIT_NPROC: a uid of its own counts only the program; a shared one, ours too
+        nproc_base = 0 if uid is not None else _tasks_of_uid(os.getuid()) + RUNNER_TASKS
         python = sys.executable if iso.isolated or uid is None else _weak_python(uid)
         if python is None:
             return [RunResult(0, error=f"no Python interpreter is executable by the sandbox uid {uid} "
@@ -521,17 +469,13 @@ def _acquire_uid(timeout: float = 600.0) -> tuple[int, int]:
     raise RuntimeError(f"no free sandbox uid in {UID_BASE}..{UID_BASE + UID_COUNT - 1} after {timeout:.0f} s")
 
 
-_accounts: dict[int, bool] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _is_account(uid: int) -> bool:
-    if uid not in _accounts:
-        try:
-            pwd.getpwuid(uid)
-            _accounts[uid] = True
-        except KeyError:
-            _accounts[uid] = False
-    return _accounts[uid]
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        return False
 
 
 _python_lock = threading.Lock()

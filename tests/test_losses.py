@@ -280,8 +280,6 @@ def test_sequence_importance_weights_use_masked_mean_and_broadcast():
     expected_rows = [math.exp((0.2 + 0.4) / 2), math.exp((-0.1 - 0.2 - 0.3) / 3), 1.0]  # empty mask -> 1
     for row, expected in enumerate(expected_rows):
         assert weights[row].tolist() == pytest.approx([expected] * 3, rel=1e-12)
-    summed = losses.importance_weights(logprobs, old, cap=10.0, level="sequence", mask=mask, sequence_reduction="sum")
-    assert summed[0, 0].item() == pytest.approx(math.exp(0.6), rel=1e-12)
     assert losses.importance_weights(logprobs, old, cap=1.1, level="sequence", mask=mask).max().item() <= 1.1
     with pytest.raises(ValueError):
         losses.importance_weights(logprobs, old, cap=2.0, level="sequence")
@@ -434,7 +432,6 @@ def test_kl_estimators_match_closed_forms():
     }
     for kind, values in expected.items():
         assert losses.kl_estimate(logprobs, ref, kind).tolist() == pytest.approx(values, rel=1e-12, abs=1e-15)
-    torch.testing.assert_close(losses.kl_estimate(logprobs, ref, "low_var_kl"), losses.kl_estimate(logprobs, ref, "k3"))
     assert losses.kl_estimate(torch.tensor([-40.0]), torch.tensor([0.0]), "k3").item() == 10.0  # clamped
     with pytest.raises(ValueError):
         losses.kl_estimate(logprobs, ref, "k4")
