@@ -269,7 +269,7 @@ class Config:
     eval_only: bool = False  # evaluate --model.path (avg@k, length, truncation) and exit
     teacher_gap: bool = False  # with eval_only: also success with the reference as a demonstration / with feedback,
     # and teacher vs student entropy on the model's own samples (context_entropies)
-    # with eval_only on image prompts: also with every picture blank (black, the same size), the
+    # with eval_only on image prompts: also with every picture blank (white, the same size), the
     # blind check: what the model gets from the pictures is the gap, paired row by row
     blind: bool = False
     # Test-time self-distillation (paper section 5): train on each of this many held-out prompts

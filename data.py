@@ -47,7 +47,7 @@ class TaskConfig:
     strops_alphabet: str = "abcdefgh"
     shapes_max: int = 3  # shapes in a picture: 1..max (at most shapes_grid**2)
     shapes_grid: int = 2  # shapes sit in the cells of a grid x grid layout (2: four quadrants)
-    shapes_questions: str = "count,colour,position"  # question kinds drawn from
+    shapes_questions: str = "count,colour,position"  # question kinds drawn from (data.SHAPES_QUESTION_KINDS)
     shapes_colours: str = "red,green,blue,yellow"
     shapes_image_size: int = 112  # pixels a side (112: 16 image tokens for Qwen2-VL's 28-pixel units)
     quiz_questions: int = 3  # questions per quiz; all must be right
@@ -141,13 +141,19 @@ def draw_shapes(shapes: list[dict], size: int, grid: int):
     return image
 
 
+# scene: every shape in reading order, as "red circle top left, blue square bottom right" (a
+# dense description: each picture teaches colour, kind and place at once)
+SHAPES_QUESTION_KINDS = ("count", "colour", "position", "scene")
+SCENE_QUESTION = "Name every shape in reading order: its colour, kind and place."
+
+
 def _shapes_row(rng: random.Random, cfg: TaskConfig) -> dict:
     positions, colours = grid_positions(cfg.shapes_grid), cfg.shapes_colours.split(",")
     kinds_asked = cfg.shapes_questions.split(",")
     if not 1 <= cfg.shapes_max <= len(positions):
         raise ValueError(f"shapes_max must be 1..{len(positions)} for a {cfg.shapes_grid}x{cfg.shapes_grid} grid")
-    if unknown := set(kinds_asked) - {"count", "colour", "position"}:
-        raise ValueError(f"shapes_questions: unknown kinds {sorted(unknown)}; use count, colour, position")
+    if unknown := set(kinds_asked) - set(SHAPES_QUESTION_KINDS):
+        raise ValueError(f"shapes_questions: unknown kinds {sorted(unknown)}; use {', '.join(SHAPES_QUESTION_KINDS)}")
     n = rng.randint(1, cfg.shapes_max)
     shapes = [{"kind": rng.choice(SHAPE_KINDS), "colour": rng.choice(colours), "cell": cell,
                "scale": rng.choice((0.5, 0.6, 0.7)), "dx": rng.choice((-0.1, 0.0, 0.1)), "dy": rng.choice((-0.1, 0.0, 0.1))}
@@ -155,11 +161,14 @@ def _shapes_row(rng: random.Random, cfg: TaskConfig) -> dict:
     # Ask only what the picture answers unambiguously: a colour of a kind that occurs once, the
     # position of a colour and kind that occur once.
     once = lambda key: [s for s in shapes if sum(key(t) == key(s) for t in shapes) == 1]
-    options = [k for k in kinds_asked if k == "count" or once(lambda s: s["kind"] if k == "colour" else
-                                                             (s["colour"], s["kind"]))]
+    options = [k for k in kinds_asked if k in ("count", "scene") or once(lambda s: s["kind"] if k == "colour" else
+                                                                         (s["colour"], s["kind"]))]
     kind = rng.choice(options or ["count"])
     if kind == "count":
         question, answer = "How many shapes are in the picture?", str(n)
+    elif kind == "scene":
+        question = SCENE_QUESTION
+        answer = ", ".join(f"{s['colour']} {s['kind']} {positions[s['cell']]}" for s in shapes)
     elif kind == "colour":
         s = rng.choice(once(lambda s: s["kind"]))
         question, answer = f"What colour is the {s['kind']}?", s["colour"]

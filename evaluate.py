@@ -174,14 +174,15 @@ def evaluate_only(cfg: Config, model_dir: str, engine, tokenizer, eval_rows: lis
 
 
 def blind_check(engine, tokenizer, rows: list, cfg: Config, seeing: list) -> dict:
-    """Held-out success with every picture replaced by a black one of the same size (same
-    prompts, same sampling seed), and the seeing-minus-blind gap paired row by row with
+    """Held-out success with every picture replaced by a blank (white) one of the same size
+    (same prompts, same sampling seed), and the seeing-minus-blind gap paired row by row with
     `seeing`, each row's success with the pictures: a model that ignores its pictures scores
-    the same blind."""
+    the same blind. White, the picture task's empty canvas: a black square is a picture the
+    model never saw, and its answers to one fall below a guess's (the tiny VLM: 8.8%)."""
     from PIL import Image
     if not any(r.get("images") for r in rows):
         raise ValueError("--blind: the held-out rows have no pictures")
-    blank = [dict(r, images=[Image.new("RGB", im.size) for im in r["images"]]) if r.get("images") else r for r in rows]
+    blank = [dict(r, images=[Image.new("RGB", im.size, "white") for im in r["images"]]) if r.get("images") else r for r in rows]
     blind, _ = evaluate(engine, tokenizer, blank, cfg, seeing)
     return {"eval/success_rate_blind": blind["eval/success_rate"], "eval/seeing_minus_blind": -blind["eval/gain"],
             "eval/seeing_minus_blind_stderr": blind["eval/gain_stderr"]}

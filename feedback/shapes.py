@@ -3,7 +3,8 @@ says what was wrong without giving the answer.
 
 The question decides the text: a wrong count is "not the number of shapes in the picture",
 a wrong colour "not the colour of the circle", a wrong position "not where the red square
-is". A response without "Answer: ..." is told the format.
+is"; a wrong scene answer is told how many shapes there are, or which of those it named are
+wrong (feedback that narrows the answer without giving it, as the quiz's does). A response without "Answer: ..." is told the format.
 """
 
 from __future__ import annotations
@@ -27,6 +28,18 @@ def question_text(row: dict) -> str:
     return content if isinstance(content, str) else " ".join(p.get("text", "") for p in content)
 
 
+def scene_feedback(given: str, truth: str) -> str:
+    """What is wrong in a scene answer, without the answer: how many shapes the picture has
+    when the count differs, else which of the named shapes are wrong."""
+    named, shapes = [p.strip() for p in given.split(",")], [p.strip() for p in truth.split(",")]
+    if len(named) != len(shapes):
+        return (f"Your answer names {len(named)} shape{'s' * (len(named) != 1)}, but the picture has "
+                f"{len(shapes)}. Look at the picture again.")
+    wrong = [str(i + 1) for i, (a, b) in enumerate(zip(named, shapes)) if a != b]
+    return (f"In your answer, shape{'s' * (len(wrong) != 1)} number {' and '.join(wrong)} (in reading order) "
+            f"{'is' if len(wrong) == 1 else 'are'} wrong; the rest are right. Look at the picture again.")
+
+
 def shapes_reward(response: str, row: dict, truncated: bool) -> Reward:
     """1.0 if the last 'Answer: X' equals row["answer"] (case and surrounding space ignored)."""
     truth = row_field(row, "answer", "shapes")
@@ -43,6 +56,8 @@ def shapes_reward(response: str, row: dict, truncated: bool) -> Reward:
         what = f"the colour of the {colour.group(1)}"
     elif position := _POSITION_Q.search(question):
         what = f"where the {position.group(1)} is"
+    elif "Name every shape" in question:
+        return Reward(0.0, scene_feedback(given, normalise(truth)))
     else:
         what = "the number of shapes in the picture"
     return Reward(0.0, f"Your answer '{found[-1].strip()}' is wrong: it is not {what}. Look at the picture again.")

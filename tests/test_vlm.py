@@ -101,6 +101,26 @@ def test_shapes_rows_show_what_their_answer_says():
     assert min(kinds.values()) > 20, kinds
 
 
+def test_scene_questions_name_every_shape_in_reading_order_and_feedback_hides_them():
+    cfg = TaskConfig(shapes_questions="scene")
+    rows = data.task_rows("shapes", "train", 50, cfg=cfg)
+    positions = data.grid_positions(2)
+    fn = feedback.get_reward_fn("shapes")
+    for row in rows:
+        assert row["messages"][0]["content"][1]["text"].startswith(data.SCENE_QUESTION)
+        assert row["answer"] == ", ".join(f"{colour} {kind} {positions[cell]}"
+                                          for colour, kind, cell, _, _ in sorted(scene_of(row), key=lambda s: s[2]))
+        assert feedback.score(fn, f"Answer: {row['answer']}", row, False).score == 1.0
+        shapes = row["answer"].split(", ")
+        reward = feedback.score(fn, "Answer: red circle top left, red circle top right", row, False)
+        if len(shapes) != 2:
+            assert reward.score == 0.0 and f"names 2 shapes, but the picture has {len(shapes)}" in reward.feedback
+        one_wrong = ", ".join(shapes[:-1] + ["yellow square centre"])
+        reward = feedback.score(fn, f"Answer: {one_wrong}", row, False)
+        assert reward.score == 0.0 and f"shape number {len(shapes)} (in reading order) is wrong" in reward.feedback
+        assert not any(s in reward.feedback for s in shapes)
+
+
 def test_shapes_split_and_difficulty_flags():
     train = {r["uid"] for seed in (0, 1) for r in data.task_rows("shapes", "train", 100, seed=seed)}
     test = {r["uid"] for r in data.task_rows("shapes", "test", 50)}
@@ -558,7 +578,7 @@ def test_two_rank_torchrun_sdpo_on_the_picture_task(tmp_path):
 
 class SeeingEngine:
     """Answers each shapes question right when its picture is the row's, and "4" (never the
-    answer to a colour or position question) when the picture is blank."""
+    answer to a colour or position question) for any other picture."""
 
     def __init__(self, tokenizer, rows):
         self.tokenizer = tokenizer
@@ -568,7 +588,7 @@ class SeeingEngine:
         from rollout import Sample
         out = []
         for p, pictures in zip(prompts, images):
-            text = self.answers.get(pictures[0].tobytes(), "4")
+            text = "Answer: " + self.answers.get(pictures[0].tobytes(), "4")
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
             out.append([Sample(p, ids, [-1.0] * len(ids), text, False) for _ in range(n)])
         return out
