@@ -62,7 +62,6 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
         if cfg.ttt_prompts:
             return test_time_self_distillation(cfg, objective, model_dir, engine, tokenizer, eval_rows, logger, d)
         trainer = build_trainer(cfg, objective, model_dir, d)
-        share_cores(cfg, engine, trainer.models)  # generating ahead on a CPU: whose threads, when
         start_step, ahead, first_eval = restore(cfg, resume, trainer, engine, tokenizer, logger, d)
         evaluate_now = lambda step: generates and evaluation_due(cfg, step)
         metrics = {}  # first_eval: each held-out row's success at step 0; later gains are paired with it
@@ -71,7 +70,7 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             metrics, first_eval = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg))
             logger.log(0, metrics)
 
-        batches = Batches(cfg, objective, engine, tokenizer, train_rows, d, ahead)
+        batches = Batches(cfg, objective, engine, tokenizer, train_rows, d, ahead, trainer.models)
         progress = logger.progress(start_step, cfg.train.steps)
         checks = warm_start_checks(cfg, objective, tokenizer)  # rows and prompts, where a target may stop it
         for step in range(start_step, cfg.train.steps):
@@ -129,9 +128,12 @@ class Batches:
     engine correction covers (docs/async.md).
     """
 
-    def __init__(self, cfg: Config, objective, engine, tokenizer, train_rows: list, d: Dist, ahead=None):
+    def __init__(self, cfg: Config, objective, engine, tokenizer, train_rows: list, d: Dist, ahead=None,
+                 models: objectives.Models | None = None):
         self.cfg, self.objective, self.engine, self.train_rows, self.d = cfg, objective, engine, train_rows, d
         self.generates_ahead = cfg.train.off_policy_steps > 0 and not objective.references
+        if self.generates_ahead and models is not None:
+            share_cores(cfg, engine, models)  # on a CPU: the trainer's threads beside a generation and after it
         # the background thread's own copy: a fast tokenizer used by two threads at once can
         # fail ("Already borrowed") while the trainer's thread encodes the sync's probe
         self.tokenizer = copy.deepcopy(tokenizer) if self.generates_ahead else tokenizer
