@@ -613,7 +613,8 @@ def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
     cores = None
     if d.device.type == "cpu":  # before the engine starts: an in-process one forbids changing threads after
         cores, beside, alone = cpu_split(cfg)
-        torch.set_num_threads(alone)
+        # a rank without the engine cannot see when its generation ends: it keeps to its share
+        torch.set_num_threads(alone if d.rank == 0 else beside)
         status(d, f"cpu: the engine computes on cores {cores}; the trainer on {alone} threads a rank"
                   + (f", {beside} while the engine generates beside it" if beside != alone else ""))
     status(d, f"engine: starting vLLM on {model_dir} (tens of seconds on a CPU)")  # nothing else shows meanwhile
