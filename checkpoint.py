@@ -19,7 +19,7 @@ from policy import Trainer
 from rollout import full_state_dict, rank0_call
 
 # What a run writes into its out_dir that a second run there would mix with its own
-RUN_RECORDS = ("metrics.jsonl", "samples.jsonl", "final")
+RUN_RECORDS = ("metrics.jsonl", "samples.jsonl", "final", "eval_rows.jsonl")
 FIRST_EVAL = "first_eval.json"  # in a checkpoint: the held-out rows' success at step 0
 NEXT_BATCH = "next_batch.pt"  # in a checkpoint of a run generating ahead: the batch of its next step
 

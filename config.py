@@ -222,6 +222,9 @@ class TrainConfig:
     warm_start_demo_frac: float = 0.7
     warm_start_feedback_frac: float = 0.1
     eval_every: int = 40  # and at the start and the end; 0: never
+    # an earlier run's out_dir (its eval_rows.jsonl): its step-0 evaluation of the same model and
+    # held-out rows stands for this run's, which is skipped, and the gains pair with it (sweeps)
+    eval_baseline: str = ""
     # 1: the engine generates the next batch, with the weights before this update, while the
     # trainer learns from this one (one step stale; the engine correction covers it: docs/async.md)
     off_policy_steps: Literal[0, 1] = 0

@@ -6,7 +6,9 @@ teacher_gap / context_entropies (`--eval_only --teacher_gap`): what SDPO's teach
 this model: success shown a demonstration or a wrong attempt's feedback, and the teacher's
 token entropy against the student's on the student's own samples.
 """
+import json
 import math
+import os
 import random
 import sys
 
@@ -24,10 +26,12 @@ from rollout import generate_and_score, rank0_call, reward_function
 
 
 
-def evaluate(engine, tokenizer, rows, cfg: Config, before: list | None = None) -> tuple[dict, list]:
+def evaluate(engine, tokenizer, rows, cfg: Config, before: list | None = None,
+             step: int | None = None) -> tuple[dict, list]:
     """avg@k success and its standard error, mean response length and truncation rate on
     held-out rows; and each row's success. before: each row's success at an earlier
-    evaluation of the same rows; then also the gain since and its paired standard error."""
+    evaluation of the same rows; then also the gain since and its paired standard error.
+    step: a training run's evaluation, whose rows' successes go to <out_dir>/eval_rows.jsonl."""
     rollouts = generate_and_score(engine, tokenizer, rows, cfg, cfg.rollout.eval_seed, cfg.rollout.eval_k,
                                   cfg.rollout.eval_temperature)
     n = max(len(rollouts), 1)
@@ -41,7 +45,45 @@ def evaluate(engine, tokenizer, rows, cfg: Config, before: list | None = None) -
     }
     if before is not None and len(before) == len(per_row):
         metrics["eval/gain"], metrics["eval/gain_stderr"] = paired_gain(per_row, before)
+    if step is not None:
+        with open(os.path.join(cfg.log.out_dir, EVAL_ROWS_FILE), "a") as f:
+            f.write(json.dumps({"step": step, **evaluation_key(rows, cfg), "metrics": metrics, "success": per_row}) + "\n")
     return metrics, per_row
+
+
+EVAL_ROWS_FILE = "eval_rows.jsonl"  # a line per evaluation of a training run: each held-out row's success
+
+
+def evaluation_key(rows, cfg: Config) -> dict:
+    """What two evaluations must share for their rows' successes to pair: the model they start
+    from, the rows, and how they are sampled."""
+    return {"model": cfg.model.path or f"built for {cfg.data.task}", "uids": [r["uid"] for r in rows],
+            "eval_k": cfg.rollout.eval_k, "eval_temperature": cfg.rollout.eval_temperature,
+            "eval_seed": cfg.rollout.eval_seed, "max_tokens": cfg.rollout.max_tokens}
+
+
+def baseline_evaluation(rows, cfg: Config) -> tuple[dict, list]:
+    """--train.eval_baseline: the step-0 evaluation of an earlier run of the same model, rows and
+    sampling (its out_dir or eval_rows.jsonl), in place of this run's own: its metrics, and each
+    row's success to pair this run's gains with. A sweep of runs from one model shares one
+    baseline, and its runs' gains are then paired with each other's too."""
+    path = cfg.train.eval_baseline
+    if os.path.isdir(path):
+        path = os.path.join(path, EVAL_ROWS_FILE)
+    try:
+        with open(path) as f:
+            first = next((r for r in map(json.loads, f) if r["step"] == 0), None)
+    except OSError as e:
+        raise ValueError(f"--train.eval_baseline={cfg.train.eval_baseline}: cannot read {path} ({e})") from e
+    if first is None:
+        raise ValueError(f"--train.eval_baseline: {path} has no step-0 evaluation")
+    key = evaluation_key(rows, cfg)
+    for field, value in key.items():
+        if first.get(field) != value:
+            shown = (lambda v: f"{len(v)} rows from {v[0]!r}" if isinstance(v, list) and v else repr(v))
+            raise ValueError(f"--train.eval_baseline: {path} evaluated {field}={shown(first.get(field))}, this run "
+                             f"{shown(value)}: the rows' successes would not pair")
+    return first["metrics"], first["success"]
 
 
 def evaluation_due(cfg: Config, step: int) -> bool:
@@ -160,7 +202,7 @@ def context_entropies(engine, tokenizer, rows, cfg: Config, model_dir: str, devi
 
 def evaluate_only(cfg: Config, model_dir: str, engine, tokenizer, eval_rows: list, logger, d: Dist) -> dict:
     """--eval_only: avg@k on the held-out rows (and, with --teacher_gap, what SDPO's teacher can do)."""
-    metrics, seeing = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg))
+    metrics, seeing = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, step=0))
     if cfg.blind:
         metrics.update(rank0_call(d, lambda: blind_check(engine, tokenizer, eval_rows, cfg, seeing)))
     if cfg.teacher_gap:

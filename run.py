@@ -23,7 +23,7 @@ import objectives
 from checkpoint import check_out_dir, checkpoint_path, load_checkpoint, save_checkpoint, save_hf
 from config import Config, describe, parse_config
 from data import batch_rows, read_rows, stream_seed
-from evaluate import evaluate, evaluate_only, evaluation_due, success_rate
+from evaluate import baseline_evaluation, evaluate, evaluate_only, evaluation_due, success_rate
 from logger import Logger, status
 from objectives import Dist
 from policy import Trainer, build_trainer, end_distributed, load_tokenizer, pad_token_id, setup_distributed
@@ -53,6 +53,8 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
     rank0_call(d, lambda: check_out_dir(cfg, bool(resume), model_dir, objective))  # not after minutes of start-up
     tokenizer = load_tokenizer(model_dir)
     train_rows, eval_rows = load_data(cfg, announce=d.rank == 0)
+    # an earlier run's step-0 evaluation of the same model and rows, checked before the engine starts
+    baseline = baseline_evaluation(eval_rows, cfg) if cfg.train.eval_baseline and not resume else None
     generates = cfg.eval_only or not objective.references  # the same on every rank; only rank 0 holds the engine
     engine = start_engine(cfg, model_dir, tokenizer, train_rows + eval_rows, d) if generates else None
     logger = Logger(cfg, d.rank)
@@ -66,8 +68,11 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
         evaluate_now = lambda step: generates and evaluation_due(cfg, step)
         metrics = {}  # first_eval: each held-out row's success at step 0; later gains are paired with it
         if evaluate_now(0) and start_step == 0:
-            status(d, f"step 0: evaluating {len(eval_rows)} held-out rows x {cfg.rollout.eval_k} samples")
-            metrics, first_eval = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg))
+            if baseline:
+                metrics, first_eval = baseline
+            else:
+                status(d, f"step 0: evaluating {len(eval_rows)} held-out rows x {cfg.rollout.eval_k} samples")
+                metrics, first_eval = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, step=0))
             logger.log(0, metrics)
 
         batches = Batches(cfg, objective, engine, tokenizer, train_rows, d, ahead, trainer.models)
@@ -88,7 +93,7 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             metrics["throughput/tokens_per_s"] = tokens / metrics["time/step_s"]
             # 8. evaluate, log, checkpoint
             if evaluate_now(step + 1):
-                metrics.update(rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, first_eval))[0])
+                metrics.update(rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, first_eval, step + 1))[0])
             metrics.update(warm_start_estimates(cfg, trainer.models.policy, tokenizer, checks, step + 1, d))
             logger.log(step + 1, metrics)
             logger.log_samples(step + 1, rollouts)

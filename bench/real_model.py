@@ -147,9 +147,11 @@ def teacher_gap_result(common: list[str], rows: int, out: str) -> str:
             f"truncated={value('truncated_frac'):.3f}")
 
 
-def algo_result(algo: str, seed: int, common: list[str], steps_n: int, out: str, summarize: bool = False) -> dict:
+def algo_result(algo: str, seed: int, common: list[str], steps_n: int, out: str, summarize: bool = False,
+                baseline: str = "") -> dict:
     """The figures of one training run with evaluations before and after (summarize: of the
-    run already in out, without running it again)."""
+    run already in out, without running it again; baseline: an earlier run's directory whose
+    step-0 evaluation, of the same model and rows, stands for this run's)."""
     name = algo if seed == 0 else f"{algo}-seed{seed}"
     run_dir = os.path.join(out, name)
     if summarize:
@@ -159,7 +161,8 @@ def algo_result(algo: str, seed: int, common: list[str], steps_n: int, out: str,
             seconds, peak = (lambda b: (b["wall_s"], b["peak_tree_gb"]))(json.load(f))
     else:
         records, seconds, peak = run_monitored(
-            common + ALGOS[algo] + [f"--train.seed={seed}", f"--train.steps={steps_n}", f"--train.eval_every={steps_n}"],
+            common + ALGOS[algo] + [f"--train.seed={seed}", f"--train.steps={steps_n}", f"--train.eval_every={steps_n}"]
+            + ([f"--train.eval_baseline={baseline}"] if baseline else []),
             run_dir)
         with open(os.path.join(run_dir, "bench.json"), "w") as f:
             json.dump({"wall_s": seconds, "peak_tree_gb": peak}, f)
@@ -264,12 +267,14 @@ def verdicts(results: list[dict]) -> list[str]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8, help="training steps per objective")
+    parser.add_argument("--steps", type=int, default=12, help="training steps per objective")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
-    parser.add_argument("--n", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max_tokens", type=int, default=256, help="--rollout.max_tokens (train and held out)")
-    parser.add_argument("--eval_rows", type=int, default=200, help="held-out problems")
-    parser.add_argument("--eval_k", type=int, default=2, help="samples per held-out problem (avg@k at T=0.6)")
+    parser.add_argument("--temperature", type=float, default=0.7,
+                        help="--rollout.temperature of the training samples (the preset's 1.0: see the docstring)")
+    parser.add_argument("--eval_rows", type=int, default=800, help="held-out problems")
+    parser.add_argument("--eval_k", type=int, default=1, help="samples per held-out problem (avg@k at T=0.6)")
     parser.add_argument("--train_rows", type=int, default=200, help="training problems")
     parser.add_argument("--seeds", default="0", help="training seeds, comma-separated (the eval's seed is fixed)")
     parser.add_argument("--out", default="runs/bench-real-model")
@@ -289,20 +294,22 @@ def main():
     model = args.model or smollm2.smollm2_dir()
     files = word_problems.write(os.path.join(out, "data"), args.train_rows, test_rows=args.eval_rows)
     print(f"[{time.strftime('%H:%M:%S')}] model {model} ready ({time.time() - t_start:.0f}s); "
-          f"{args.steps} steps of {args.prompts} x {args.n}, max_tokens {args.max_tokens}, "
+          f"{args.steps} steps of {args.prompts} x {args.n} at T={args.temperature}, max_tokens {args.max_tokens}, "
           f"{args.eval_rows} held-out rows avg@{args.eval_k}, algos {algos}, seeds {args.seeds}"
           + (f", extra flags {extra}" if extra else ""), flush=True)
     common = [f"--model.path={model}", f"--data.task={files['train']}", f"--data.eval_path={files['test']}",
-              "--data.reward=math", f"--rollout.max_tokens={args.max_tokens}", f"--data.eval_rows={args.eval_rows}",
+              "--data.reward=math", f"--rollout.max_tokens={args.max_tokens}", f"--rollout.temperature={args.temperature}", f"--data.eval_rows={args.eval_rows}",
               f"--rollout.eval_k={args.eval_k}", f"--train.prompts_per_step={args.prompts}", f"--rollout.n={args.n}",
               # 1.5 GB at this model's 46 KB a token (float32, 30 layers): enough for the
               # held-out batch's sequences at once; a smaller cache only schedules fewer together
               "--rollout.kv_cache_tokens=32768"] + extra
     lines = [teacher_gap_result(common, args.teacher_gap_rows, out)] if args.teacher_gap and not args.summarize else []
-    results = []
+    results, baseline = [], ""
     for seed in [int(s) for s in args.seeds.split(",")]:
         for algo in algos:
-            results.append(algo_result(algo, seed, common, args.steps, out, args.summarize))
+            results.append(algo_result(algo, seed, common, args.steps, out, args.summarize, baseline))
+            # the first run's step-0 evaluation serves the others: the same model, rows and sampling seed
+            baseline = baseline or os.path.join(out, algo if seed == 0 else f"{algo}-seed{seed}")
     header = (f"{'objective':>12} {'before':>6} {'after':>6} {'gain':>6} {'SE':>5} {'truncated':>12} "
               f"{'entropy':>10} {'T-S ent':>7} " + " ".join(f"{k.split('/')[-1]:>7}" for k in SPLIT)
               + f" {'other':>6} {'wall':>6} {'peakGB':>6}")
