@@ -203,6 +203,7 @@ class Engine:
             env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
         if not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # the user's wins
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpu_cores or sorted(os.sched_getaffinity(0))))
+        env.update(_quiet_engine_processes())
         self.model_dir = model_dir
         self.own_process = own_process
         self.rpc_timeout_s = rpc_timeout_s
@@ -506,9 +507,22 @@ def _quiet_vllm_logging():
     warnings that are harmless here hidden (vllm_plugins/logging.json): "Failed to load weights" of
     a layer the reload skips (every sync is proven by its probe), the CPU worker's LD_PRELOAD
     hints, and start-up warnings about settings chosen here on purpose (eager mode, whole-prompt
-    prefill). Only where the user has not configured vLLM's logging (VLLM_LOGGING_LEVEL=INFO)."""
+    prefill; the worker's "OMP_NUM_THREADS=N is set", which vLLM set itself for the cores it binds). Only where the user has not configured vLLM's logging (VLLM_LOGGING_LEVEL=INFO)."""
     if not {"VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING"} & set(os.environ):
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = os.path.join(PLUGIN_DIR, "logging.json")
+
+
+def _quiet_engine_processes() -> dict:
+    """The environment of the engine's processes, less two start-up warnings that mean nothing to
+    a user: torch's deprecation of `reduce_op` as vLLM's Triton dispatcher scans every module,
+    and the CPU worker's C++ note that it binds memory to its NUMA node (the binding it is
+    given). Where the user has not set PYTHONWARNINGS or TORCH_CPP_LOG_LEVEL themselves."""
+    env = {}
+    if "PYTHONWARNINGS" not in os.environ:
+        env["PYTHONWARNINGS"] = "ignore::FutureWarning:vllm.triton_utils.dispatcher"
+    if "TORCH_CPP_LOG_LEVEL" not in os.environ and not torch.cuda.is_available():
+        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    return env
 
 
 def _use_plugins(env: dict):
