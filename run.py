@@ -70,6 +70,7 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
         if evaluate_now(0) and start_step == 0:
             if baseline:
                 metrics, first_eval = baseline
+                status(d, f"step 0: the evaluation of {cfg.train.eval_baseline} (--train.eval_baseline)")
             else:
                 status(d, f"step 0: evaluating {len(eval_rows)} held-out rows x {cfg.rollout.eval_k} samples")
                 metrics, first_eval = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, step=0))
