@@ -46,12 +46,16 @@ def evaluate(engine, tokenizer, rows, cfg: Config, before: list | None = None,
     if before is not None and len(before) == len(per_row):
         metrics["eval/gain"], metrics["eval/gain_stderr"] = paired_gain(per_row, before)
     if step is not None:
-        with open(os.path.join(cfg.log.out_dir, EVAL_ROWS_FILE), "a") as f:
-            f.write(json.dumps({"step": step, **evaluation_key(rows, cfg), "metrics": metrics, "success": per_row}) + "\n")
+        save_row_success(cfg, step, rows, metrics, per_row)
     return metrics, per_row
 
 
 EVAL_ROWS_FILE = "eval_rows.jsonl"  # a line per evaluation of a training run: each held-out row's success
+
+
+def save_row_success(cfg: Config, step: int, rows, metrics: dict, per_row: list):
+    with open(os.path.join(cfg.log.out_dir, EVAL_ROWS_FILE), "a") as f:
+        f.write(json.dumps({"step": step, **evaluation_key(rows, cfg), "metrics": metrics, "success": per_row}) + "\n")
 
 
 def evaluation_key(rows, cfg: Config) -> dict:

@@ -23,7 +23,7 @@ import objectives
 from checkpoint import check_out_dir, checkpoint_path, load_checkpoint, save_checkpoint, save_hf
 from config import Config, describe, parse_config
 from data import batch_rows, read_rows, stream_seed
-from evaluate import baseline_evaluation, evaluate, evaluate_only, evaluation_due, success_rate
+from evaluate import baseline_evaluation, evaluate, evaluate_only, evaluation_due, save_row_success, success_rate
 from logger import Logger, status
 from objectives import Dist
 from policy import Trainer, build_trainer, end_distributed, load_tokenizer, pad_token_id, setup_distributed
@@ -68,9 +68,10 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
         evaluate_now = lambda step: generates and evaluation_due(cfg, step)
         metrics = {}  # first_eval: each held-out row's success at step 0; later gains are paired with it
         if evaluate_now(0) and start_step == 0:
-            if baseline:
+            if baseline:  # kept in this run's eval_rows.jsonl too: a later run may take this one as its baseline
                 metrics, first_eval = baseline
                 status(d, f"step 0: the evaluation of {cfg.train.eval_baseline} (--train.eval_baseline)")
+                rank0_call(d, lambda: save_row_success(cfg, 0, eval_rows, metrics, first_eval), share=False)
             else:
                 status(d, f"step 0: evaluating {len(eval_rows)} held-out rows x {cfg.rollout.eval_k} samples")
                 metrics, first_eval = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, step=0))

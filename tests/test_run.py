@@ -551,6 +551,7 @@ def test_a_run_pairs_its_gains_with_an_earlier_runs_step0_evaluation(tiny_dir, t
               ONE_PROCESS)
     assert calls == [6]  # nothing generated for the second run's step 0
     assert _metrics(second)[0] == _metrics(first)[0]
+    assert [json.loads(line) for line in open(second / "eval_rows.jsonl")] == [record]  # a baseline for the next
     for changed, field in (("--rollout.eval_k=3", "eval_k"), ("--rollout.eval_temperature=1.0", "eval_temperature"),
                            ("--data.eval_rows=5", "uids")):
         cfg = run.parse_config(flags + [changed, f"--log.out_dir={tmp_path / field}",
