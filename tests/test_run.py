@@ -265,6 +265,28 @@ def test_mini_batches_take_several_optimizer_steps(tiny_dir, tokenizer):
     assert len(grads) == 3 and metrics["actor/skipped_steps"] == 0
 
 
+def test_the_eos_diagnostic_is_the_teachers_log_prob_of_stopping_minus_the_students(tiny_dir, tokenizer):
+    """sdpo/teacher_minus_student_logprob_eos, against each model's own forward: at the last token
+    of every answer that ended (a truncated one has no EOS) and has a teacher context."""
+    cfg = run.parse_config(["--algo=sdpo", "--sdpo.topk=8"])
+    policy, teacher_model = _policy(tiny_dir, seed=1), _policy(tiny_dir, seed=2)
+    rollouts = _rollouts(tokenizer, "sdpo")
+    rollouts[1].truncated = True
+    mb = objectives.micro_batch(None, rollouts, step_counts(rollouts, OBJECTIVES["sdpo"]), tokenizer.pad_token_id,
+                                CPU, None, 1)
+    _, stats = objectives.sdpo_loss(mb, Models(policy, Teacher("ema", 0.05, teacher_model)), cfg)
+
+    def last_token_logprob(model, ids):
+        with torch.no_grad():
+            logits = model.hf(input_ids=torch.tensor([ids])).logits[0, -2].float()
+        return torch.log_softmax(logits, -1)[ids[-1]].item()
+    gaps = [last_token_logprob(teacher_model, r.teacher_ids) - last_token_logprob(policy, r.prompt_ids + r.response_ids)
+            for r in rollouts if r.sdpo_mask > 0 and not r.truncated]
+    assert 0 < len(gaps) < sum(r.sdpo_mask > 0 for r in rollouts)
+    total, count = stats["sdpo/teacher_minus_student_logprob_eos"]
+    assert count == len(gaps) and total == pytest.approx(sum(gaps), abs=1e-4)
+
+
 def test_no_success_and_no_feedback_gives_zero_sdpo_loss(tiny_dir, tokenizer):
     cfg = run.parse_config(["--algo=sdpo", "--sdpo.topk=8"])
     policy = _policy(tiny_dir)
