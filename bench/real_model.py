@@ -54,6 +54,7 @@ import json
 import math
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import threading
@@ -74,6 +75,7 @@ ALGOS = {
 }
 SPLIT = ("time/rollout_s", "time/teacher_s", "time/train_s", "sync/seconds", "time/step_s")
 TEACHER_GAP = "sdpo/teacher_minus_student_entropy"  # SDPO's early warning (logger.FLAT_TEACHER_METRIC)
+EOS_GAP = "sdpo/teacher_minus_student_logprob_eos"  # < 0: the teacher would not stop where the student does
 
 
 def tree_pss_bytes(pid: int) -> int:
@@ -166,11 +168,16 @@ def algo_result(algo: str, seed: int, common: list[str], steps_n: int, out: str,
             run_dir)
         with open(os.path.join(run_dir, "bench.json"), "w") as f:
             json.dump({"wall_s": seconds, "peak_tree_gb": peak}, f)
+    rows_path = os.path.join(run_dir, "eval_rows.jsonl")  # each held-out row's success at each evaluation
+    final_rows = [json.loads(line) for line in open(rows_path)][-1]["success"] if os.path.exists(rows_path) else None
+    with open(os.path.join(run_dir, "stdout.log"), errors="replace") as f:
+        warnings = [line.strip() for line in f if line.startswith("WARNING step")]
     steps = [r for r in records if r["step"] > 0 and "time/step_s" in r]
     evals = [r for r in records if "eval/success_rate" in r]
     first_eval, last_eval = evals[0], evals[-1]
     split = {k: mean(steps[1:] or steps, k) for k in SPLIT}  # the first step warms the engine up
     gaps = [r[TEACHER_GAP] for r in steps if TEACHER_GAP in r]
+    eos_gaps = [r[EOS_GAP] for r in steps if EOS_GAP in r]
     res = {
         "algo": algo, "seed": seed, "steps": len(steps),
         "before": first_eval["eval/success_rate"], "after": last_eval["eval/success_rate"],
@@ -186,14 +193,16 @@ def algo_result(algo: str, seed: int, common: list[str], steps_n: int, out: str,
         "entropy_last": next((r["actor/entropy"] for r in reversed(steps) if "actor/entropy" in r), float("nan")),
         "updated_steps": sum(r.get("actor/grad_norm", 0.0) > 0 for r in steps),  # else every mini-batch skipped
         "tms_first": gaps[0] if gaps else float("nan"), "tms_mean": sum(gaps) / len(gaps) if gaps else float("nan"),
+        "eos_gap": sum(eos_gaps) / len(eos_gaps) if eos_gaps else float("nan"),
         "train_success": mean(steps, "reward/success_rate") if any("reward/success_rate" in r for r in steps)
         else mean(steps, "reward/mean"),
-        "split": split, "other_s": seconds - sum(r["time/step_s"] for r in steps), "wall_s": seconds, "peak_gb": peak,
+        "final_rows": final_rows, "warnings": warnings, "split": split, "other_s": seconds - sum(r["time/step_s"] for r in steps), "wall_s": seconds, "peak_gb": peak,
     }
     print(f"[{time.strftime('%H:%M:%S')}] {name}: {res['before']:.3f} -> {res['after']:.3f}, "
           f"gain {100 * res['gain']:+.1f} ± {100 * res['gain_se']:.1f} points, truncated "
           f"{res['trunc_first']:.3f} -> {res['trunc_last']:.3f}, entropy {res['entropy_first']:.2f} -> "
-          f"{res['entropy_last']:.2f}, teacher-student entropy {res['tms_mean']:+.3f}, "
+          f"{res['entropy_last']:.2f}, teacher-student entropy {res['tms_mean']:+.3f}, at the EOS "
+          f"{res['eos_gap']:+.3f} nats, "
           f"train success {res['train_success']:.3f}, {res['updated_steps']} of {len(steps)} steps updated, "
           f"step {split['time/step_s']:.1f}s, wall {seconds:.0f}s, peak {peak:.2f} GB", flush=True)
     return res
@@ -217,6 +226,7 @@ def result_line(r: dict) -> str:
             f"train_success_mean={r['train_success']:.3f} "
             f"entropy_first={r['entropy_first']:.3f} entropy_last={r['entropy_last']:.3f} "
             f"teacher_minus_student_entropy_first={r['tms_first']:.3f} teacher_minus_student_entropy_mean={r['tms_mean']:.3f} "
+            f"teacher_minus_student_logprob_eos={r['eos_gap']:.3f} "
             + " ".join(f"{k.split('/')[-1]}={r['split'][k]:.2f}" for k in SPLIT)
             + f" other_s={r['other_s']:.0f} wall_s={r['wall_s']:.0f} peak_tree_gb={r['peak_gb']:.2f}")
 
@@ -251,17 +261,20 @@ def verdicts(results: list[dict]) -> list[str]:
             ok = sdpos[best][0] >= g - s
             out.append(f"target best SDPO form ({best}, {100 * sdpos[best][0]:+.1f}) >= grpo - 1 SE "
                        f"({100 * (g - s):+.1f}): {'yes' if ok else 'NO'}")
+            # the runs share their step-0 evaluation: their final ones pair row by row too
+            finals = {r["algo"]: r["final_rows"] for r in results if r["seed"] == results[0]["seed"] and r["final_rows"]}
+            for algo in sdpos:
+                if algo in finals and "grpo" in finals and len(finals[algo]) == len(finals["grpo"]):
+                    diffs = [a - b for a, b in zip(finals[algo], finals["grpo"])]
+                    diff, diff_se = statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
+                    out.append(f"{algo} - grpo at the end, paired on the same rows: {100 * diff:+.1f} ± {100 * diff_se:.1f}")
     for algo, (g, s) in by.items():
         if g < -2 * s:
             out.append(f"target no loss > 2 SE: NO, {algo} {100 * g:+.1f} ± {100 * s:.1f}")
     if not any("no loss" in line for line in out):
         out.append("target no loss > 2 SE: yes")
-    flat = [r for r in results if r["tms_mean"] > 0]
-    if flat:
-        out.append("warning: the SDPO teacher was flatter than the student (teacher-minus-student entropy > 0) in "
-                   + ", ".join(f"{r['algo']} ({r['tms_mean']:+.3f})" for r in flat)
-                   + ": distillation raises the policy's entropy here; SDPO suits a model that can use a "
-                     "demonstration in its context (run --eval_only --teacher_gap first)")
+    for r in results:  # what each run warned its user of (logger.warn_once), as it said it
+        out += [f"{r['algo']} warned: {w[:300]}" for w in r["warnings"]]
     return out
 
 
