@@ -462,16 +462,19 @@ def hybrid_loss(mb: MicroBatch, models: Models, cfg):
     def head(hidden, weight):
         logprobs, entropy = logprob_head(targets, temperature, cfg.train.head_chunk_size)(hidden, weight)
         teacher_weight = models.teacher.head_weight(weight).to(hidden.dtype)
-        teacher_lp, _ = losses.logprobs_and_entropy_from_hidden(teacher_hidden.to(hidden.dtype), teacher_weight,
-                                                                targets, temperature, cfg.sdpo.chunk_size)
-        return logprobs, entropy, teacher_lp
+        teacher_lp, teacher_entropy = losses.logprobs_and_entropy_from_hidden(
+            teacher_hidden.to(hidden.dtype), teacher_weight, targets, temperature, cfg.sdpo.chunk_size)
+        return logprobs, entropy, teacher_lp, teacher_entropy
 
-    logprobs, entropy, teacher_lp = forward(models.policy, mb.packed, head)
+    logprobs, entropy, teacher_lp, teacher_entropy = forward(models.policy, mb.packed, head)
     current = mb.matrix(logprobs.detach())
     has_teacher = mb.per_sequence(lambda r: r.sdpo_mask > 0)[:, None] > 0
-    teacher_lp = torch.where(has_teacher, mb.matrix(teacher_lp), current)
-    advantages = losses.hybrid_advantages(mb.per_sequence(lambda r: r.advantage), teacher_lp, current, cfg.algo.lam)
-    return clipped_loss(mb, logprobs, entropy, advantages, cfg)
+    advantages = losses.hybrid_advantages(mb.per_sequence(lambda r: r.advantage),
+                                          torch.where(has_teacher, mb.matrix(teacher_lp), current), current, cfg.algo.lam)
+    loss, stats = clipped_loss(mb, logprobs, entropy, advantages, cfg)
+    stats.update(teacher_diagnostics(mb, has_teacher * mb.response_mask, logprobs.detach(), entropy, teacher_lp,
+                                     teacher_entropy))
+    return loss, stats
 
 
 # ----------------------------------------------------------------------------------------

@@ -265,16 +265,17 @@ def test_mini_batches_take_several_optimizer_steps(tiny_dir, tokenizer):
     assert len(grads) == 3 and metrics["actor/skipped_steps"] == 0
 
 
-def test_the_eos_diagnostic_is_the_teachers_log_prob_of_stopping_minus_the_students(tiny_dir, tokenizer):
+@pytest.mark.parametrize("algo", ["sdpo", "hybrid"])
+def test_the_eos_diagnostic_is_the_teachers_log_prob_of_stopping_minus_the_students(tiny_dir, tokenizer, algo):
     """sdpo/teacher_minus_student_logprob_eos, against each model's own forward: at the last token
     of every answer that ended (a truncated one has no EOS) and has a teacher context."""
-    cfg = run.parse_config(["--algo=sdpo", "--sdpo.topk=8"])
+    cfg = run.parse_config([f"--algo={algo}", "--sdpo.topk=8"])
     policy, teacher_model = _policy(tiny_dir, seed=1), _policy(tiny_dir, seed=2)
-    rollouts = _rollouts(tokenizer, "sdpo")
+    rollouts = _rollouts(tokenizer, algo)
     rollouts[1].truncated = True
-    mb = objectives.micro_batch(None, rollouts, step_counts(rollouts, OBJECTIVES["sdpo"]), tokenizer.pad_token_id,
+    mb = objectives.micro_batch(None, rollouts, step_counts(rollouts, OBJECTIVES[algo]), tokenizer.pad_token_id,
                                 CPU, None, 1)
-    _, stats = objectives.sdpo_loss(mb, Models(policy, Teacher("ema", 0.05, teacher_model)), cfg)
+    _, stats = OBJECTIVES[algo].loss(mb, Models(policy, Teacher("ema", 0.05, teacher_model)), cfg)
 
     def last_token_logprob(model, ids):
         with torch.no_grad():
