@@ -444,8 +444,7 @@ def teacher_diagnostics(mb: MicroBatch, mask, student_lp, student_entropy, teach
         rows = mb.per_sequence(lambda r: r.teacher_context == kind)[:, None] * mask
         stats[f"sdpo/teacher_minus_student_logprob_{name}"] = ((logprob_gap * rows).sum().item(), rows.sum().item())
     # at the EOS that ended each answer: below 0, the teacher would not stop there (a weak model
-    # shown a demonstration in another format wants that format's ending), and distilling it
-    # lengthens the student's answers (docs/loop.md, SmolLM2)
+    # shown a demonstration in another format wants that format's ending first)
     eos = mask * (torch.arange(mask.shape[1], device=mask.device)[None, :]
                   == mb.per_sequence(lambda r: len(r.response_ids) - 1)[:, None])
     eos = eos * (1 - mb.per_sequence(lambda r: r.truncated))[:, None]
