@@ -55,8 +55,7 @@ Defaults, and why (bench/results/real_model.md):
 - 800 held-out rows avg@1 (an evaluation of 800 samples takes ~1.5 min): a paired SE of
   1.3-1.7 points where answers change (200 rows x 2 gave 1.7-1.95).
 Measured (2-core machine): GRPO 18 min, SDPO-demo 16, the hybrid 16 (the last two reuse the
-first's evaluation), SDPO with feedback ~24: ~75 min for the four; `--algos grpo,sdpo_demo,hybrid`
-~50 min.
+first's evaluation), SDPO with feedback 17: the default three ~50 min, all four ~66 min.
 """
 import argparse
 import json
@@ -302,7 +301,7 @@ def main():
     parser.add_argument("--out", default="runs/bench-real-model")
     parser.add_argument("--model", default="", help="HF directory (default: bench/smollm2.py's)")
     parser.add_argument("--algos", default="grpo,sdpo_demo,hybrid",
-                        help=f"of {','.join(ALGOS)} (sdpo, with feedback, adds ~24 min)")
+                        help=f"of {','.join(ALGOS)} (sdpo, with feedback, adds ~17 min)")
     parser.add_argument("--teacher_gap", action="store_true", help="first run --eval_only --teacher_gap")
     parser.add_argument("--teacher_gap_rows", type=int, default=40)
     parser.add_argument("--summarize", action="store_true",
