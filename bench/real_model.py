@@ -48,7 +48,7 @@ Defaults, and why (bench/results/real_model.md):
   gain is a gain in correctness (64 tokens truncated 31%).
 - `--temperature 0.7`, where the preset samples at 1.0 (the paper's): at 1.0 this 135M model
   solves 2-4% of its training samples (21.5% held out at 0.6), half the steps have no group
-  with a success, and nothing moved in 8 steps; at 0.7 15-16% succeed and every step learns.
+  with a success, and nothing moved in 8 steps; at 0.7 16-21% succeed and every step learns.
   The rest of the preset is unchanged.
 - 12 steps of 4 prompts x 8 samples (the preset's n): 48 optimizer steps, the first 10
   warming up; ~60 s a step on 2 cores.
@@ -176,8 +176,10 @@ def algo_result(algo: str, seed: int, common: list[str], steps_n: int, out: str,
             run_dir)
         with open(os.path.join(run_dir, "bench.json"), "w") as f:
             json.dump({"wall_s": seconds, "peak_tree_gb": peak}, f)
-    rows_path = os.path.join(run_dir, "eval_rows.jsonl")  # each held-out row's success at each evaluation
-    final_rows = [json.loads(line) for line in open(rows_path)][-1]["success"] if os.path.exists(rows_path) else None
+    final_rows = None  # each held-out row's success at the run's last evaluation
+    if os.path.exists(os.path.join(run_dir, "eval_rows.jsonl")):
+        with open(os.path.join(run_dir, "eval_rows.jsonl")) as f:
+            final_rows = [json.loads(line) for line in f][-1]["success"]
     with open(os.path.join(run_dir, "stdout.log"), errors="replace") as f:
         warnings = [line.strip() for line in f if line.startswith("WARNING step")]
     steps = [r for r in records if r["step"] > 0 and "time/step_s" in r]
@@ -204,7 +206,8 @@ def algo_result(algo: str, seed: int, common: list[str], steps_n: int, out: str,
         "eos_gap": sum(eos_gaps) / len(eos_gaps) if eos_gaps else float("nan"),
         "train_success": mean(steps, "reward/success_rate") if any("reward/success_rate" in r for r in steps)
         else mean(steps, "reward/mean"),
-        "final_rows": final_rows, "warnings": warnings, "split": split, "other_s": seconds - sum(r["time/step_s"] for r in steps), "wall_s": seconds, "peak_gb": peak,
+        "final_rows": final_rows, "warnings": warnings,
+        "split": split, "other_s": seconds - sum(r["time/step_s"] for r in steps), "wall_s": seconds, "peak_gb": peak,
     }
     print(f"[{time.strftime('%H:%M:%S')}] {name}: {res['before']:.3f} -> {res['after']:.3f}, "
           f"gain {100 * res['gain']:+.1f} ± {100 * res['gain_se']:.1f} points, truncated "
