@@ -28,6 +28,7 @@ import zlib
 from dataclasses import dataclass
 
 from feedback.quiz import QUIZ_FEEDBACK, QUIZ_OPS
+from feedback.shapes import SCENE_QUESTION
 from feedback.strops import OPS, run_program
 
 # ----------------------------------------------------------------------------------------
@@ -144,7 +145,6 @@ def draw_shapes(shapes: list[dict], size: int, grid: int):
 # scene: every shape in reading order, as "red circle top left, blue square bottom right" (a
 # dense description: each picture teaches colour, kind and place at once)
 SHAPES_QUESTION_KINDS = ("count", "colour", "position", "scene")
-SCENE_QUESTION = "Name every shape in reading order: its colour, kind and place."
 
 
 def _shapes_row(rng: random.Random, cfg: TaskConfig) -> dict:

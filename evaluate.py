@@ -55,7 +55,8 @@ EVAL_ROWS_FILE = "eval_rows.jsonl"  # a line per evaluation of a training run: e
 
 def save_row_success(cfg: Config, step: int, rows, metrics: dict, per_row: list):
     with open(os.path.join(cfg.log.out_dir, EVAL_ROWS_FILE), "a") as f:
-        f.write(json.dumps({"step": step, **evaluation_key(rows, cfg), "metrics": metrics, "success": per_row}) + "\n")
+        record = {"step": step, **evaluation_key(rows, cfg), "metrics": metrics, "success": per_row}
+        f.write(json.dumps(record) + "\n")
 
 
 def evaluation_key(rows, cfg: Config) -> dict:
@@ -228,7 +229,8 @@ def blind_check(engine, tokenizer, rows: list, cfg: Config, seeing: list) -> dic
     from PIL import Image
     if not any(r.get("images") for r in rows):
         raise ValueError("--blind: the held-out rows have no pictures")
-    blank = [dict(r, images=[Image.new("RGB", im.size, "white") for im in r["images"]]) if r.get("images") else r for r in rows]
+    blank = [dict(r, images=[Image.new("RGB", im.size, "white") for im in r["images"]]) if r.get("images") else r
+             for r in rows]
     blind, _ = evaluate(engine, tokenizer, blank, cfg, seeing)
     return {"eval/success_rate_blind": blind["eval/success_rate"], "eval/seeing_minus_blind": -blind["eval/gain"],
             "eval/seeing_minus_blind_stderr": blind["eval/gain_stderr"]}

@@ -468,8 +468,9 @@ def hybrid_loss(mb: MicroBatch, models: Models, cfg):
     logprobs, entropy, teacher_lp, teacher_entropy = forward(models.policy, mb.packed, head)
     current = mb.matrix(logprobs.detach())
     has_teacher = mb.per_sequence(lambda r: r.sdpo_mask > 0)[:, None] > 0
-    advantages = losses.hybrid_advantages(mb.per_sequence(lambda r: r.advantage),
-                                          torch.where(has_teacher, mb.matrix(teacher_lp), current), current, cfg.algo.lam)
+    teacher_or_student = torch.where(has_teacher, mb.matrix(teacher_lp), current)  # T - S = 0 without a teacher
+    advantages = losses.hybrid_advantages(mb.per_sequence(lambda r: r.advantage), teacher_or_student, current,
+                                          cfg.algo.lam)
     loss, stats = clipped_loss(mb, logprobs, entropy, advantages, cfg)
     stats.update(teacher_diagnostics(mb, has_teacher * mb.response_mask, logprobs.detach(), entropy, teacher_lp,
                                      teacher_entropy))

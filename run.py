@@ -95,7 +95,8 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             metrics["throughput/tokens_per_s"] = tokens / metrics["time/step_s"]
             # 8. evaluate, log, checkpoint
             if evaluate_now(step + 1):
-                metrics.update(rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, first_eval, step + 1))[0])
+                evaluated = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, first_eval, step + 1))
+                metrics.update(evaluated[0])
             metrics.update(warm_start_estimates(cfg, trainer.models.policy, tokenizer, checks, step + 1, d))
             logger.log(step + 1, metrics)
             logger.log_samples(step + 1, rollouts)

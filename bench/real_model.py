@@ -62,18 +62,19 @@ import json
 import math
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+# the project's modules first: bench/losses.py (a bench) would hide losses.py from evaluate
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 import smollm2  # noqa: E402  (bench/ is not a package)
 import word_problems  # noqa: E402
+from evaluate import paired_gain  # noqa: E402
 
 ALGOS = {
     "grpo": ["--algo=grpo"],
@@ -273,12 +274,13 @@ def verdicts(results: list[dict]) -> list[str]:
             out.append(f"target best SDPO form ({best}, {100 * sdpos[best][0]:+.1f}) >= grpo - 1 SE "
                        f"({100 * (g - s):+.1f}): {'yes' if ok else 'NO'}")
             # the runs share their step-0 evaluation: their final ones pair row by row too
-            finals = {r["algo"]: r["final_rows"] for r in results if r["seed"] == results[0]["seed"] and r["final_rows"]}
+            finals = {r["algo"]: r["final_rows"] for r in results
+                      if r["seed"] == results[0]["seed"] and r["final_rows"]}
             for algo in sdpos:
                 if algo in finals and "grpo" in finals and len(finals[algo]) == len(finals["grpo"]):
-                    diffs = [a - b for a, b in zip(finals[algo], finals["grpo"])]
-                    diff, diff_se = statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
-                    out.append(f"{algo} - grpo at the end, paired on the same rows: {100 * diff:+.1f} ± {100 * diff_se:.1f}")
+                    diff, diff_se = paired_gain(finals[algo], finals["grpo"])
+                    out.append(f"{algo} - grpo at the end, paired on the same rows: "
+                               f"{100 * diff:+.1f} ± {100 * diff_se:.1f}")
     for algo, (g, s) in by.items():
         if g < -2 * s:
             out.append(f"target no loss > 2 SE: NO, {algo} {100 * g:+.1f} ± {100 * s:.1f}")
@@ -323,7 +325,8 @@ def main():
           f"{args.eval_rows} held-out rows avg@{args.eval_k}, algos {algos}, seeds {args.seeds}"
           + (f", extra flags {extra}" if extra else ""), flush=True)
     common = [f"--model.path={model}", f"--data.task={files['train']}", f"--data.eval_path={files['test']}",
-              "--data.reward=math", f"--rollout.max_tokens={args.max_tokens}", f"--rollout.temperature={args.temperature}", f"--data.eval_rows={args.eval_rows}",
+              "--data.reward=math", f"--rollout.max_tokens={args.max_tokens}",
+              f"--rollout.temperature={args.temperature}", f"--data.eval_rows={args.eval_rows}",
               f"--rollout.eval_k={args.eval_k}", f"--train.prompts_per_step={args.prompts}", f"--rollout.n={args.n}",
               # 1.5 GB at this model's 46 KB a token (float32, 30 layers): enough for the
               # held-out batch's sequences at once; a smaller cache only schedules fewer together

@@ -4,7 +4,8 @@ says what was wrong without giving the answer.
 The question decides the text: a wrong count is "not the number of shapes in the picture",
 a wrong colour "not the colour of the circle", a wrong position "not where the red square
 is"; a wrong scene answer is told how many shapes there are, or which of those it named are
-wrong (feedback that narrows the answer without giving it, as the quiz's does). A response without "Answer: ..." is told the format.
+wrong (feedback that narrows the answer without giving it, as the quiz's does). A response
+without "Answer: ..." is told the format.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import re
 
 from feedback import Reward, row_field, truncated_reward
+
+# the scene question's text (data.py asks it): the reward recognises it by this text
+SCENE_QUESTION = "Name every shape in reading order: its colour, kind and place."
 
 _ANSWER = re.compile(r"answer\s*:\s*([^\n]*)", re.IGNORECASE)
 _COLOUR_Q = re.compile(r"What colour is the (\w+)\?")
@@ -56,7 +60,7 @@ def shapes_reward(response: str, row: dict, truncated: bool) -> Reward:
         what = f"the colour of the {colour.group(1)}"
     elif position := _POSITION_Q.search(question):
         what = f"where the {position.group(1)} is"
-    elif "Name every shape" in question:
+    elif SCENE_QUESTION in question:
         return Reward(0.0, scene_feedback(given, normalise(truth)))
     else:
         what = "the number of shapes in the picture"
