@@ -508,7 +508,9 @@ def _quiet_vllm_logging():
     a layer the reload skips (every sync is proven by its probe), the CPU worker's LD_PRELOAD
     hints, and start-up warnings about settings chosen here on purpose (eager mode, whole-prompt
     prefill; the worker's "OMP_NUM_THREADS=N is set", which vLLM set itself for the cores it binds;
-    "force killing remaining process EngineCore" at close, which gives it 2 s on purpose). Only
+    "force killing remaining process EngineCore" / "force killing sub process VLLM::Worker" at close,
+    which gives it 2 s on purpose; the logger of the second also holds start-up notes about
+    settings vLLM overrides itself). Only
     where the user has not configured vLLM's logging (VLLM_LOGGING_LEVEL=INFO)."""
     if not {"VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING"} & set(os.environ):
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = os.path.join(PLUGIN_DIR, "logging.json")
