@@ -132,7 +132,7 @@ def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
     """
     rng = random.Random(stream_seed("references", cfg.train.seed, step))
     demo_frac, feedback_frac = cfg.train.warm_start_demo_frac, cfg.train.warm_start_feedback_frac
-    if step < cfg.train.warm_start_context_steps:
+    if step < cfg.train.warm_start_context_steps and demo_frac + feedback_frac > 0:  # contexts only, in their ratio
         demo_frac, feedback_frac = demo_frac / (demo_frac + feedback_frac), feedback_frac / (demo_frac + feedback_frac)
     out = []
     for row in rows:
@@ -151,9 +151,12 @@ def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
 
 def gad_teacher_config(cfg: Config) -> Config:
     """The self-made black-box teacher's run: the tiny model after --gad.teacher_steps SFT steps
-    on the task's references, plain prompts only (cached like the student's warm start)."""
+    on the task's references, plain prompts only, no early stop (a task recipe's
+    warm_start_target is the student's: the teacher must end well above it); cached like the
+    student's warm start."""
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=""), train=dataclasses.replace(
-        cfg.train, warm_start_steps=cfg.gad.teacher_steps, warm_start_demo_frac=0.0, warm_start_feedback_frac=0.0))
+        cfg.train, warm_start_steps=cfg.gad.teacher_steps, warm_start_demo_frac=0.0, warm_start_feedback_frac=0.0,
+        warm_start_target=0.0, warm_start_context_steps=0))
 
 
 def teacher_data(cfg: Config, teacher_cfg: Config, teacher_dir: str, d: Dist) -> Config:

@@ -972,6 +972,12 @@ def test_the_first_context_steps_show_every_prompt_as_a_teacher_context(tokenize
                              for r in run.sft_rollouts(tokenizer, rows, cfg, step)) / len(rows)
     assert bare(0) == bare(1) == 0 and 0.3 < demos(1) < 0.45  # 0.375 expected
     assert 0.14 < bare(2) < 0.26 and 0.24 < demos(2) < 0.36
+    # SFT on plain prompts (GAD's SeqKD baseline under the quiz recipe): no contexts, also before the step
+    plain = run.parse_config(["--data.task=quiz", "--algo=sft", "--train.warm_start_demo_frac=0",
+                              "--train.warm_start_feedback_frac=0"])
+    assert plain.train.warm_start_context_steps == 300
+    assert all(r.prompt_ids == data.chat_prompt_ids(tokenizer, r.row["messages"], plain.data.max_prompt_len)
+               for r in run.sft_rollouts(tokenizer, rows[:20], plain, 0))
 
 
 def test_rl_learning_rate_and_sdpo_alpha_are_the_tasks_where_the_flags_are_unset():
