@@ -149,6 +149,8 @@ class GadConfig:
     # The discriminator's AdamW lr (the paper's 1e-6 is for 8B models); weight decay and betas are --optim's
     lr: float = 1e-4
     grad_clip: float = 1.0  # the discriminator's gradient-norm clip
+    # what the scalar head reads: the last real token's hidden state, or the mean of the response tokens'
+    pool: Literal["last", "mean"] = "last"
     policy_loss: Literal["ppo", "gspo"] = "ppo"  # the student's clipped surrogate
     warmup_steps: int = 0  # stage 1: SFT of the student on the teacher's responses while the discriminator trains
     critic_warmup: int = 0  # then this many steps train only the discriminator

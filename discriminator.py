@@ -1,7 +1,8 @@
 """GAD's discriminator (the GAD paper, arXiv 2511.10643): a copy of the student's backbone with a scalar head.
 
-D(prompt, response) = w · h_last + b, where h_last is the backbone's final hidden state at the
-sequence's last real token (its EOS for a finished response); its own AdamW and gradient clip,
+D(prompt, response) = w · h + b, where h is the backbone's final hidden state at the sequence's
+last real token (its EOS for a finished response; --gad.pool last) or the mean of those of the
+response's tokens (--gad.pool mean); its own AdamW and gradient clip,
 FSDP2-sharded like the policy, no dropout (the score a reward is read from is the score the loss
 trains). Each step: the Bradley–Terry loss −logσ(D(teacher) − D(student)) over every teacher/
 student pair of a prompt, normalised by the step's global pair count; the scores of that
@@ -18,11 +19,12 @@ from teacher import full_tensor, reshard
 
 
 class Discriminator(torch.nn.Module):
-    """A causal backbone (HF base model, no LM head) and a scalar head at the last real token."""
+    """A causal backbone (HF base model, no LM head) and a scalar head on the last real token's
+    hidden state (pool "last") or the mean of the response tokens' (pool "mean")."""
 
-    def __init__(self, backbone, seed: int = 0):
+    def __init__(self, backbone, seed: int = 0, pool: str = "last"):
         super().__init__()
-        self.backbone = backbone
+        self.backbone, self.pool = backbone, pool
         self.head = torch.nn.Linear(backbone.config.hidden_size, 1)
         # A fresh head, the same on every rank whatever else consumed the global RNG.
         g = torch.Generator().manual_seed(seed)
@@ -30,18 +32,24 @@ class Discriminator(torch.nn.Module):
             self.head.weight.normal_(0.0, backbone.config.initializer_range, generator=g)
             self.head.bias.zero_()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                response_starts: torch.Tensor | None = None) -> torch.Tensor:
         """Scores [B] of padded sequences input_ids [B, L] (left- or right-padded; mask [B, L]):
-        positions count real tokens only, so that padding on either side gives the same score."""
+        positions count real tokens only, so that padding on either side gives the same score.
+        response_starts [B]: each prompt's length in real tokens (pool "mean" reads the tokens after it)."""
         positions = (attention_mask.cumsum(1) - 1).clamp(min=0)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                position_ids=positions).last_hidden_state
+        if self.pool == "mean":
+            response = (attention_mask.bool() & (positions >= response_starts[:, None])).to(hidden.dtype)
+            pooled = (hidden * response[..., None]).sum(1) / response.sum(1, keepdim=True).clamp(min=1)
+            return self.head(pooled).squeeze(-1).float()
         width = attention_mask.shape[1]
         last = (attention_mask * torch.arange(1, width + 1, device=attention_mask.device)).argmax(1)
         return self.head(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1).float()
 
 
-def load(path: str, seed: int, world: int, device):
+def load(path: str, seed: int, world: int, device, pool: str = "last"):
     """The backbone of the HF model in path (a causal LM's directory works: its LM head is
     dropped) with dropout off, a fresh head, FSDP2-sharded like the policy."""
     from transformers import AutoConfig, AutoModel
@@ -50,7 +58,7 @@ def load(path: str, seed: int, world: int, device):
         if "dropout" in name and isinstance(getattr(config, name), float):
             setattr(config, name, 0.0)
     backbone = AutoModel.from_pretrained(path, config=config, dtype=torch.float32)
-    model = Discriminator(backbone, seed).to(device)
+    model = Discriminator(backbone, seed, pool).to(device)
     if world > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} \
@@ -75,44 +83,55 @@ class Critic:
         self.model, self.grad_clip, self.steps = model, grad_clip, 0
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
 
-    def score(self, seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
-        """Scores [B] of token-id sequences, without gradient (right-padded)."""
+    def score(self, seqs: list[list[int]], pad_id: int, device, starts: list[int] | None = None) -> torch.Tensor:
+        """Scores [B] of token-id sequences (their responses start at starts), without gradient."""
         with torch.no_grad():
-            scores = self.model(*right_pad(seqs, pad_id, device))
+            scores = self.model(*right_pad(seqs, pad_id, device), as_tensor(starts, seqs, device))
         reshard(self.model)
         return scores
 
     def train_step(self, groups: list, pad_id: int, d, micro_batch: int) -> Update:
-        """One Bradley–Terry step over groups: (teacher ids, [student ids, ...]) per prompt.
+        """One Bradley–Terry step over groups: (prompt length, teacher ids, [student ids, ...]) per
+        prompt, each sequence the prompt's ids and a response's.
 
         Every rank takes a share of the groups (FSDP2: as many forwards each); the loss of a
         micro-batch is its pairs' summed −logσ(D_t − D_s) over the step's global pair count.
         Returns the pre-update scores of every sequence (teacher first, then its students,
-        group by group) on every rank, and d_loss, d_acc, the mean scores and the grad norm.
+        group by group) on every rank, and d_loss, d_acc (the teacher scored above the student, over
+        the pairs whose texts differ: the scores are those before this step's update, so on a prompt
+        the discriminator has not trained on it is a held-out accuracy), identical_frac (pairs whose
+        texts are the same), the mean scores and the grad norm.
         """
         self.model.train()
         mine = list(range(len(groups)))[d.rank::d.world]
-        per_call = max(1, micro_batch // max(1 + max((len(s) for _, s in groups), default=1), 1))
+        per_call = max(1, micro_batch // max(1 + max((len(s) for _, _, s in groups), default=1), 1))
         calls = max(1, math.ceil(math.ceil(len(groups) / d.world) / per_call))
-        pairs = sum(len(students) for _, students in groups)
-        local, sums = {}, torch.zeros(5, dtype=torch.float64)  # d_loss, d_acc, teacher, student, teachers
+        pairs = sum(len(students) for _, _, students in groups)
+        # d_loss, teacher above student (pairs whose texts differ), teacher score, student score, teachers, distinct pairs
+        local, sums = {}, torch.zeros(6, dtype=torch.float64)
         for c in range(calls):
             part = mine[c * per_call:(c + 1) * per_call]
             if d.world > 1:  # reduce-scatter the gradient once, after the last micro-batch
                 self.model.set_requires_gradient_sync(c == calls - 1)
             if not part:  # FSDP2's collectives: a rank with fewer groups runs a zero loss
-                (self.model(*right_pad([[pad_id]], pad_id, d.device)).sum() * 0.0).backward()
+                (self.model(*right_pad([[pad_id]], pad_id, d.device), as_tensor([0], [[pad_id]], d.device)).sum()
+                 * 0.0).backward()
                 continue
-            seqs = [s for g in part for s in [groups[g][0], *groups[g][1]]]
-            scores = self.model(*right_pad(seqs, pad_id, d.device))
+            seqs = [s for g in part for s in [groups[g][1], *groups[g][2]]]
+            starts = [groups[g][0] for g in part for _ in range(1 + len(groups[g][2]))]
+            scores = self.model(*right_pad(seqs, pad_id, d.device), as_tensor(starts, seqs, d.device))
             loss_sum, start = 0.0, 0
             for g in part:
-                n = len(groups[g][1])
+                n = len(groups[g][2])
                 teacher, students = scores[start], scores[start + 1:start + 1 + n]
-                loss, accuracy = losses.discriminator_loss(teacher.expand(n), students)
+                loss, _ = losses.discriminator_loss(teacher.expand(n), students)
                 loss_sum = loss_sum + loss * n  # the mean over its n pairs, back to a sum
-                sums += torch.tensor([loss.item() * n, accuracy.item() * n, teacher.item(), students.sum().item(), 1.0],
-                                     dtype=torch.float64)
+                # A student text identical to the teacher's scores the same: no discriminator can
+                # order the pair, so accuracy counts the pairs whose texts differ.
+                distinct = torch.tensor([s != groups[g][1] for s in groups[g][2]])
+                above = (teacher.detach() > students.detach())[distinct].sum().item()
+                sums += torch.tensor([loss.item() * n, above, teacher.item(), students.sum().item(), 1.0,
+                                      distinct.sum().item()], dtype=torch.float64)
                 local[g] = scores[start:start + 1 + n].detach().tolist()
                 start += 1 + n
             (loss_sum / max(pairs, 1) * d.world).backward()  # FSDP2 averages gradients over ranks
@@ -129,7 +148,8 @@ class Critic:
         self.steps += 1
         reshard(self.model)
         pairs, teachers = max(pairs, 1), max(sums[4].item(), 1.0)
-        metrics = {"gad/d_loss": sums[0].item() / pairs, "gad/d_acc": sums[1].item() / pairs,
+        metrics = {"gad/d_loss": sums[0].item() / pairs, "gad/identical_frac": 1.0 - sums[5].item() / pairs,
+                   **({"gad/d_acc": sums[1].item() / sums[5].item()} if sums[5].item() else {}),
                    "gad/teacher_score": sums[2].item() / teachers, "gad/student_score": sums[3].item() / pairs,
                    "gad/d_grad_norm": grad_norm, "gad/d_skipped_steps": float(not math.isfinite(grad_norm))}
         return Update([s for g in range(len(groups)) for s in local[g]], metrics)
@@ -144,6 +164,11 @@ class Critic:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         self.steps = int(state["steps"])
+
+
+def as_tensor(starts: list[int] | None, seqs: list, device) -> torch.Tensor:
+    """Response starts [B] (0 where not given: the whole sequence is the response)."""
+    return torch.tensor(starts if starts is not None else [0] * len(seqs), dtype=torch.long, device=device)
 
 
 def right_pad(seqs: list[list[int]], pad_id: int, device):

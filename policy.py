@@ -189,7 +189,7 @@ def build_trainer(cfg: Config, objective, model_dir: str, d: Dist) -> Trainer:
         models.reference = Reference(load_policy(model_dir, cfg, d.world, d.device), cfg.dpo.ref_update_every)
     if "discriminator" in objective.models:
         o, g = cfg.optim, cfg.gad
-        network = discriminator.load(g.disc_path or model_dir, cfg.train.seed, d.world, d.device)
+        network = discriminator.load(g.disc_path or model_dir, cfg.train.seed, d.world, d.device, g.pool)
         models.discriminator = discriminator.Critic(network, g.lr, o.weight_decay, g.grad_clip, (o.beta1, o.beta2))
     return Trainer(models, optimizer, scheduler)
 

@@ -12,6 +12,8 @@ import data
 import discriminator
 import losses
 import run
+import warm_start
+from config import parse_config
 from discriminator import Critic
 from objectives import OBJECTIVES, Models, gad_loss, gad_rewards, prepare_teacher_responses
 from teacher import Reference
@@ -57,6 +59,20 @@ def test_score_is_read_at_the_last_real_token_whatever_the_padding(tiny_dir):
     assert (changed - alone).abs().min() > 1e-4  # the last token matters: it is where the head reads
 
 
+def test_mean_pool_reads_the_mean_of_the_response_tokens_states_whatever_the_padding(tiny_dir):
+    model = discriminator.load(tiny_dir, 0, 1, torch.device("cpu"), pool="mean")
+    seqs, starts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [13, 14, 15, 16]], [2, 1, 3]
+    with torch.no_grad():
+        by_hand = torch.stack([model.head(model.backbone(input_ids=torch.tensor([s])).last_hidden_state[0, k:].mean(0))
+                               for s, k in zip(seqs, starts)]).squeeze(-1)
+        right = model(*discriminator.right_pad(seqs, 0, "cpu"), torch.tensor(starts))
+        left = model(*data.pad_left(seqs, 0), torch.tensor(starts))
+        prompt_changed = model(*discriminator.right_pad([[99] + s[1:] for s in seqs], 0, "cpu"), torch.tensor(starts))
+    torch.testing.assert_close(right, by_hand, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(left, by_hand, rtol=1e-5, atol=1e-5)
+    assert (prompt_changed - right).abs().min() > 1e-5  # the prompt is read, through attention, not pooled
+
+
 def test_the_discriminator_has_no_dropout_and_a_fresh_head_the_same_for_a_seed(tiny_dir):
     a, b = (discriminator.load(tiny_dir, 7, 1, torch.device("cpu")) for _ in range(2))
     assert all(v == 0.0 for k, v in vars(a.backbone.config).items() if "dropout" in k and isinstance(v, float))
@@ -99,6 +115,20 @@ def test_a_step_reports_the_loss_and_accuracy_of_its_pre_update_scores_and_has_t
     (grads,) = critic.optimizer.grads
     for name, p in before.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_accuracy_counts_only_pairs_whose_texts_differ(tiny_dir):
+    """A student answer that is the teacher's text scores exactly as the teacher's: such a pair
+    is neither right nor wrong; d_acc is over the others, identical_frac says how many there were."""
+    critic = _critic(tiny_dir)
+    teacher, other = [5, 6, 7, 8], [5, 6, 9]
+    with torch.no_grad():
+        scores = critic.model(*discriminator.right_pad([teacher, other, [5, 6, 10, 11]], 0, "cpu")).tolist()
+    groups = [(2, teacher, [teacher, other]), (2, [5, 6, 10, 11], [[5, 6, 10, 11], [5, 6, 10, 11]])]
+    metrics = critic.train_step(groups, 0, ONE_PROCESS, 8).metrics
+    assert metrics["gad/identical_frac"] == 0.75
+    assert metrics["gad/d_acc"] == float(scores[0] > scores[1])  # the one pair that differs
+    assert "gad/d_acc" not in critic.train_step([groups[1]], 0, ONE_PROCESS, 8).metrics  # no pair to order
 
 
 def test_rewards_come_from_the_discriminator_before_its_update(tiny_dir, tokenizer):
@@ -273,3 +303,13 @@ def test_two_rank_gad_run_with_both_stages(tmp_path):
     assert steps[1]["actor/skipped_steps"] == 2  # the critic warmup leaves the policy alone
     assert "actor/kl" in steps[2] and "actor/pg_clipfrac" in steps[2] and "eval/success_rate" in steps[2]
     # resuming both networks and both optimizers is test_checkpoint_restores_both_networks_and_both_optimizers
+
+
+def test_the_self_made_teacher_trains_past_the_students_early_stop():
+    """A task recipe's warm_start_target stops the *student's* warm start (the quiz's at 30%
+    held-out success); the teacher takes --gad.teacher_steps on plain prompts, no stop, no contexts."""
+    cfg = parse_config(["--data.task=quiz", "--algo=gad", "--gad.teacher_steps=700"])
+    assert cfg.train.warm_start_target == 0.3 and cfg.train.warm_start_context_steps == 300
+    teacher = warm_start.gad_teacher_config(cfg).train
+    assert (teacher.warm_start_steps, teacher.warm_start_target, teacher.warm_start_context_steps) == (700, 0.0, 0)
+    assert teacher.warm_start_demo_frac == teacher.warm_start_feedback_frac == 0.0
