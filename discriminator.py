@@ -86,7 +86,7 @@ class Critic:
     def score(self, seqs: list[list[int]], pad_id: int, device, starts: list[int] | None = None) -> torch.Tensor:
         """Scores [B] of token-id sequences (their responses start at starts), without gradient."""
         with torch.no_grad():
-            scores = self.model(*right_pad(seqs, pad_id, device), as_tensor(starts, seqs, device))
+            scores = self.model(*right_pad(seqs, pad_id, device), start_positions(starts, seqs, device))
         reshard(self.model)
         return scores
 
@@ -107,19 +107,20 @@ class Critic:
         per_call = max(1, micro_batch // max(1 + max((len(s) for _, _, s in groups), default=1), 1))
         calls = max(1, math.ceil(math.ceil(len(groups) / d.world) / per_call))
         pairs = sum(len(students) for _, _, students in groups)
-        # d_loss, teacher above student (pairs whose texts differ), teacher score, student score, teachers, distinct pairs
+        # d_loss, teacher above student (pairs whose texts differ), teacher score, student score,
+        # teachers, pairs whose texts differ
         local, sums = {}, torch.zeros(6, dtype=torch.float64)
         for c in range(calls):
             part = mine[c * per_call:(c + 1) * per_call]
             if d.world > 1:  # reduce-scatter the gradient once, after the last micro-batch
                 self.model.set_requires_gradient_sync(c == calls - 1)
             if not part:  # FSDP2's collectives: a rank with fewer groups runs a zero loss
-                (self.model(*right_pad([[pad_id]], pad_id, d.device), as_tensor([0], [[pad_id]], d.device)).sum()
+                (self.model(*right_pad([[pad_id]], pad_id, d.device), start_positions([0], [[pad_id]], d.device)).sum()
                  * 0.0).backward()
                 continue
             seqs = [s for g in part for s in [groups[g][1], *groups[g][2]]]
             starts = [groups[g][0] for g in part for _ in range(1 + len(groups[g][2]))]
-            scores = self.model(*right_pad(seqs, pad_id, d.device), as_tensor(starts, seqs, d.device))
+            scores = self.model(*right_pad(seqs, pad_id, d.device), start_positions(starts, seqs, d.device))
             loss_sum, start = 0.0, 0
             for g in part:
                 n = len(groups[g][2])
@@ -166,7 +167,7 @@ class Critic:
         self.steps = int(state["steps"])
 
 
-def as_tensor(starts: list[int] | None, seqs: list, device) -> torch.Tensor:
+def start_positions(starts: list[int] | None, seqs: list, device) -> torch.Tensor:
     """Response starts [B] (0 where not given: the whole sequence is the response)."""
     return torch.tensor(starts if starts is not None else [0] * len(seqs), dtype=torch.long, device=device)
 

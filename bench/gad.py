@@ -1,27 +1,33 @@
 """GAD against SeqKD: distilling a black-box teacher's text into the student, several seeds.
 
-    python bench/gad.py [--seeds 3] [--warmup 10] [--steps 30] [--out runs/bench-gad]
-                        [extra run.py flags, e.g. --gad.teacher_steps=1000 --train.prompts_per_step=16]
+    python bench/gad.py [--seeds 3] [--warmup 100] [--steps 200] [--distil data.quiz_ops=*] [--ood data.quiz_ops=+]
+                        [--out runs/bench-gad] [extra run.py flags, e.g. --gad.critic_warmup=50]
 
-From the same student start (the tiny model's cached warm start, or --model.path), at equal
-budgets (the same steps, prompts per step and optimizer steps):
+On the quiz (answers of three lines "a:7+8=15"; the recipe's values, recipes/quiz.py), from the
+same student start (the quiz recipe's warm start, ~30% held-out success, or --model.path), at
+equal budgets (the same steps, prompts per step and optimizer steps):
   - SeqKD: `--algo sft` on the teacher's responses for --steps steps;
   - GAD: `--algo gad` for --steps steps, the first --warmup of them its SFT warmup on the same
-    responses (while the discriminator trains);
+    responses (while the discriminator trains), then --gad.critic_warmup steps of the
+    discriminator alone, then GAD;
   - the start itself.
-The teacher is the project's self-made black box (run.teacher_model: a much longer SFT of the
-tiny model; run.with_teacher_data writes its sampled text). Each final model is evaluated on
-the task's held-out rows with one evaluation seed (the start and the teacher once): success
-(avg@k at the eval temperature) and how close it is to the teacher, the teacher model's mean per-token negative log-likelihood of the student's held-out
+The teacher is the project's self-made black box (run.teacher_model: the tiny model after
+--gad.teacher_steps SFT steps on the whole task; warm_start.teacher_data writes its answers to
+the distillation prompts, --distil: by default quizzes of products only). As in the paper, the
+shifted split is prompts unlike the distillation prompts (--ood: by default quizzes of sums
+only, which the start and the teacher learned and distillation never shows). Each final model
+is evaluated with one evaluation seed (the start and the teacher once) on the distillation
+task's held-out rows and on the shifted split: success (avg@k at the eval temperature), and how close it is to the
+teacher: the teacher model's mean per-token negative log-likelihood of the student's held-out
 responses (the only use of the teacher's weights: training reads its text alone).
 
-Writes into --out: gad.md (the table and the GAD runs' d_acc / reward diagnostics), gad.png,
-runs/ (every run's metrics.jsonl), and prints
+Writes into --out: gad.md (the table and the GAD runs' d_acc by windows of steps), gad.png, runs/ (every
+run's metrics.jsonl), and prints
 
-    RESULT gad_success=... seqkd_success=... gad_teacher_nll=... seqkd_teacher_nll=...
+    RESULT gad_success=... seqkd_success=... gad_ood_success=... seqkd_ood_success=...
+           gad_success_spread=... (max - min over seeds) ...
 """
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -31,31 +37,51 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 
 from learning import run_one, warm_start  # noqa: E402
+from policy import load_policy  # noqa: E402
+from config import recipe_name  # noqa: E402
+from warm_start import teacher_data  # noqa: E402
+
+# The quiz: answers of several lines, a teacher (plain SFT for --gad.teacher_steps) far above the
+# student (the quiz recipe's warm start, stopped at 30% held-out success)
+DEFAULT_FLAGS = ["--data.task=quiz", "--train.prompts_per_step=8", "--rollout.n=8", "--data.eval_rows=512",
+                 # GAD after its warmup: 20 steps of the discriminator alone (the paper: 10); raw score
+                 # differences as advantages, not std-normalised (a discriminator near chance gives
+                 # near-equal scores, which std normalisation blows up to unit advantages: with it, KL
+                 # 0.001 and the last-token head, one screen's student fell from 59% to 0.5%); KL 0.01
+                 "--gad.critic_warmup=20", "--gad.norm_adv_by_std=False", "--algo.kl_coef=0.01"]
+WARMUP, STEPS = 100, 200
+# The distillation prompts are a part of the task (run.py flags without their "--"): quizzes of
+# products only (the start's weakest part); the shifted split is another part, which only the start
+# and the teacher learned: sums
+DISTIL, OOD = "data.quiz_ops=*", "data.quiz_ops=+"
 
 
 class Evaluator:
     """One engine for every model (all are the tiny architecture): each model's weights are
     loaded into it and the load is verified (run.sync_engine) before it samples."""
 
-    def __init__(self, model_dir: str, cfg, rows: list, teacher):
+    def __init__(self, model_dir: str, cfg, splits: dict, teacher):
         import torch
         import run
-        from policy import load_policy
-        self.cfg, self.rows, self.teacher, self.d = cfg, rows, teacher, run.Dist(0, 1, torch.device("cpu"))
+        self.cfg, self.splits, self.teacher, self.d = cfg, splits, teacher, run.Dist(0, 1, torch.device("cpu"))
         self.tokenizer = run.load_tokenizer(model_dir)
-        self.engine = run.start_engine(cfg, model_dir, self.tokenizer, rows, self.d)
+        self.engine = run.start_engine(cfg, model_dir, self.tokenizer, [r for rows in splits.values() for r in rows],
+                                       self.d)
 
     def __call__(self, model_dir: str, seed: int) -> dict:
-        """Held-out success of model_dir's samples and the teacher's NLL of them (per token)."""
+        """Held-out success of model_dir's samples on each split ("in": the task's held-out rows,
+        "ood": the shifted ones) and the teacher's NLL of its in-distribution samples (per token)."""
         import run
         self.loads = getattr(self, "loads", 0) + 1  # the weights' version, as the engine stamps samples
         run.sync_engine(self.cfg, self.engine, load_policy(model_dir, self.cfg, 1, self.d.device), self.tokenizer,
                         self.d, self.loads)
-        rollouts = run.generate_and_score(self.engine, self.tokenizer, self.rows, self.cfg, seed, self.cfg.rollout.eval_k,
-                                          self.cfg.rollout.eval_temperature)
-        return {"success": run.success_rate(rollouts, self.cfg),
-                "teacher_nll": teacher_nll(self.teacher, rollouts, self.cfg),
-                "length": sum(len(r.response_ids) for r in rollouts) / len(rollouts)}
+        rollouts = {split: run.generate_and_score(self.engine, self.tokenizer, rows, self.cfg, seed,
+                                                  self.cfg.rollout.eval_k, self.cfg.rollout.eval_temperature)
+                    for split, rows in self.splits.items()}
+        return {"success": run.success_rate(rollouts["in"], self.cfg),
+                "ood_success": run.success_rate(rollouts["ood"], self.cfg),
+                "teacher_nll": teacher_nll(self.teacher, rollouts["in"], self.cfg),
+                "length": sum(len(r.response_ids) for r in rollouts["in"]) / len(rollouts["in"])}
 
 
 def teacher_nll(teacher, rollouts: list, cfg) -> float:
@@ -87,14 +113,36 @@ def spread(values: list[float]) -> tuple[float, float, float]:
     return sum(values) / len(values), min(values), max(values)
 
 
+def d_acc_table(runs: list[list[dict]], window: int) -> str:
+    """Each GAD run's held-out d_acc (pairs whose texts differ), share of identical pairs and
+    training success, averaged over windows of steps, and the stage each window ended in."""
+    import statistics
+    seeds = " | ".join(f"seed {s}: d_acc, identical, success" for s in range(len(runs)))
+    rows = [f"| steps | {seeds} | stage |",
+            "|---|" + "---|" * len(runs) + "---|"]
+    stages = ("warmup", "critic", "gad")
+    for lo in range(1, max((r["step"] for r in runs[0]), default=0) + 1, window):
+        cells, stage = [], ""
+        for records in runs:
+            part = [r for r in records if lo <= r["step"] < lo + window and "gad/identical_frac" in r]
+            mean = lambda key: statistics.mean(r[key] for r in part if key in r) if any(key in r for r in part) \
+                else float("nan")
+            cells.append(", ".join(f"{mean(key):.2f}" for key in ("gad/d_acc", "gad/identical_frac",
+                                                               "reward/success_rate")))
+            stage = stages[int(part[-1]["gad/stage"])] if part else stage
+        rows.append(f"| {lo}-{lo + window - 1} | " + " | ".join(cells) + f" | {stage} |")
+    return "\n".join(rows)
+
+
 def plot(path: str, results: dict):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.5))
     names = list(results)
-    for ax, key, label in zip(axes, ("success", "teacher_nll"), ("held-out success (avg@k)",
-                                                                  "teacher NLL of student responses (nats/token)")):
+    for ax, key, label in zip(axes, ("success", "ood_success", "teacher_nll"),
+                              ("held-out success (avg@k)", "shifted split success (avg@k)",
+                               "teacher NLL of student responses (nats/token)")):
         stats = [spread([r[key] for r in results[n]]) for n in names]
         ax.bar(names, [m for m, _, _ in stats], yerr=[[m - lo for m, lo, _ in stats], [hi - m for m, _, hi in stats]],
                capsize=4, color=["grey", "tab:blue", "tab:orange", "black"][:len(names)])
@@ -109,8 +157,11 @@ def plot(path: str, results: dict):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=5, help="SFT warmup steps of GAD (counted in its budget)")
-    parser.add_argument("--steps", type=int, default=20, help="steps of every run, warmup included")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="SFT warmup steps of GAD (counted in its budget)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="steps of every run, warmup included")
+    parser.add_argument("--distil", default=DISTIL,
+                        help="run.py flags, without their '--', of the distillation prompts")
+    parser.add_argument("--ood", default=OOD, help="run.py flags, without their '--', of the shifted split")
     parser.add_argument("--out", default="runs/bench-gad")
     parser.add_argument("--launcher", default=sys.executable, help="e.g. 'torchrun --nproc_per_node=4'")
     args, extra = parser.parse_known_args()
@@ -118,20 +169,29 @@ def main():
     import run
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
+    extra = DEFAULT_FLAGS + extra  # later flags win: the user's override the bench's
     d = run.Dist(0, 1, torch.device("cpu"))
-    start = warm_start(extra)
-    cfg = run.with_teacher_data(run.parse_config(extra + ["--algo=gad", "--log.progress=False"]), d)
-    _, teacher_dir = run.teacher_model(run.parse_config(extra + ["--log.progress=False"]), d)
+    start = warm_start(extra)  # the student and the teacher learn the whole task; distillation sees --distil's part
+    teacher_cfg, teacher_dir = run.teacher_model(run.parse_config(extra + ["--log.progress=False"]), d)
+    distil = [f"--{f}" for f in shlex.split(args.distil)]
+    cfg = teacher_data(run.parse_config(extra + distil + ["--algo=gad", "--log.progress=False"]), teacher_cfg,
+                       teacher_dir, d)
     data_flags = [f"--data.task={cfg.data.task}", f"--data.eval_path={cfg.data.eval_path}",
                   f"--data.reward={cfg.data.reward}"]
-    common = extra + data_flags + [f"--model.path={start}", f"--train.steps={args.steps}", "--train.eval_every=0",
-                                   "--train.warm_start_demo_frac=0", "--train.warm_start_feedback_frac=0"]
+    # the runs read the teacher's data file: they take the task's recipe (recipes/quiz.py) by name
+    recipe = f"--recipe={recipe_name(run.parse_config(extra))}"
+    common = extra + data_flags + [recipe, f"--model.path={start}", f"--train.steps={args.steps}",
+                                   "--train.eval_every=0",
+                                   "--train.warm_start_demo_frac=0", "--train.warm_start_feedback_frac=0",
+                                   "--train.warm_start_context_steps=0"]
     runs = {"seqkd": ["--algo=sft"], "gad": ["--algo=gad", f"--gad.warmup_steps={args.warmup}"]}
-    eval_rows = run.load_data(cfg)[1]
+    splits = {"in": run.load_data(cfg)[1],
+              "ood": run.load_data(run.parse_config(extra + [f"--{f}" for f in shlex.split(args.ood)]))[1]}
     teacher = (load_policy(teacher_dir, cfg, 1, d.device), run.load_tokenizer(teacher_dir))
     teacher[0].eval()
-    evaluate = Evaluator(start, run.parse_config(common), eval_rows, teacher)
+    evaluate = Evaluator(start, run.parse_config(common), splits, teacher)
     results, diagnostics = {"start": [evaluate(start, 0)], "seqkd": [], "gad": []}, []
+    print(f"start: {results['start'][0]}", flush=True)
     for seed in range(args.seeds):
         for name, flags in runs.items():
             t0 = time.time()
@@ -139,32 +199,30 @@ def main():
             records = run_one(shlex.split(args.launcher), common + flags + [f"--train.seed={seed}"], out)
             results[name].append(evaluate(os.path.join(out, "final"), 0))
             if name == "gad":
-                diagnostics.append([{k: r[k] for k in ("step", "gad/d_acc", "gad/d_loss", "gad/teacher_score",
-                                                       "gad/student_score", "actor/kl") if k in r} for r in records])
+                diagnostics.append(records)
             print(f"seed {seed} {name}: {results[name][-1]} ({time.time() - t0:.0f}s)", flush=True)
     results["teacher"] = [evaluate(teacher_dir, 0)]
     evaluate.engine.close()
     plot(os.path.join(args.out, "gad.png"), results)
-    table = ["| model | held-out success | teacher NLL (nats/token) | response length |", "|---|---|---|---|"]
+    keys = ("success", "ood_success", "teacher_nll", "length")
+    table = ["| model | held-out success | shifted split success | teacher NLL (nats/token) | response length |",
+             "|---|---|---|---|---|"]
     for name, rs in results.items():
-        cells = [spread([r[k] for r in rs]) for k in ("success", "teacher_nll", "length")]
+        cells = [spread([r[k] for r in rs]) for k in keys]
         table.append(f"| {name} | " + " | ".join(f"{m:.3f} [{lo:.3f}, {hi:.3f}]" for m, lo, hi in cells) + " |")
-    d_acc = ["| step | " + " | ".join(f"seed {s}" for s in range(len(diagnostics))) + " |",
-             "|---|" + "---|" * len(diagnostics)]
-    for i, record in enumerate(diagnostics[0] if diagnostics else []):
-        if "gad/d_acc" in record:
-            d_acc.append(f"| {record['step']} | " + " | ".join(
-                f"d_acc {runs_[i].get('gad/d_acc', float('nan')):.2f}, D(t)-D(s) "
-                f"{runs_[i].get('gad/teacher_score', 0) - runs_[i].get('gad/student_score', 0):.2f}"
-                for runs_ in diagnostics) + " |")
+    d_acc = d_acc_table(diagnostics, max(1, args.steps // 10))
     mean = lambda name, key: spread([r[key] for r in results[name]])[0]
-    result = (f"RESULT gad_success={mean('gad', 'success'):.3f} seqkd_success={mean('seqkd', 'success'):.3f} "
-              f"gad_teacher_nll={mean('gad', 'teacher_nll'):.3f} seqkd_teacher_nll={mean('seqkd', 'teacher_nll'):.3f} "
-              f"start_success={mean('start', 'success'):.3f} start_teacher_nll={mean('start', 'teacher_nll'):.3f} "
-              f"teacher_success={mean('teacher', 'success'):.3f}")
+    width = lambda name, key: (lambda _, lo, hi: hi - lo)(*spread([r[key] for r in results[name]]))
+    result = "RESULT " + " ".join(
+        [f"{name}_{key}={mean(name, key):.3f}" for key in ("success", "ood_success") for name in ("gad", "seqkd")]
+        + [f"gad_{key}_spread={width('gad', key):.3f}" for key in ("success", "ood_success")]
+        + [f"{name}_teacher_nll={mean(name, 'teacher_nll'):.3f}" for name in ("gad", "seqkd")]
+        + [f"{name}_{key}={mean(name, key):.3f}" for name in ("start", "teacher")
+           for key in ("success", "ood_success")])
     with open(os.path.join(args.out, "gad.md"), "w") as f:
-        f.write(f"flags: {shlex.join(common)}; GAD warmup {args.warmup} of {args.steps} steps\n\n")
-        f.write("\n".join(table) + "\n\nGAD runs, per step:\n\n" + "\n".join(d_acc) + f"\n\n{result}\n")
+        f.write(f"flags: {shlex.join(common)}; GAD warmup {args.warmup} of {args.steps} steps; distillation prompts: "
+                f"{args.distil}; shifted split: {args.ood}\n\n")
+        f.write("\n".join(table) + "\n\nGAD runs:\n\n" + d_acc + f"\n\n{result}\n")
     print("\n".join(table))
     print(f"total {time.time() - t_start:.0f}s")
     print(result)
