@@ -17,12 +17,13 @@ the distillation prompts, --distil: by default quizzes of products only). As in 
 shifted split is prompts unlike the distillation prompts (--ood: by default quizzes of sums
 only, which the start and the teacher learned and distillation never shows). Each final model
 is evaluated with one evaluation seed (the start and the teacher once) on the distillation
-task's held-out rows and on the shifted split: success (avg@k at the eval temperature), and how close it is to the
-teacher: the teacher model's mean per-token negative log-likelihood of the student's held-out
-responses (the only use of the teacher's weights: training reads its text alone).
+task's held-out rows and on the shifted split: success (avg@k at the eval temperature), and
+how close it is to the teacher: the teacher model's mean per-token negative log-likelihood of
+the student's held-out responses (the only use of the teacher's weights: training reads its
+text alone).
 
-Writes into --out: gad.md (the table and the GAD runs' d_acc by windows of steps), gad.png, runs/ (every
-run's metrics.jsonl), and prints
+Writes into --out: gad.md (the table and the GAD runs' d_acc by windows of steps), gad.png,
+runs/ (every run's metrics.jsonl), and prints
 
     RESULT gad_success=... seqkd_success=... gad_ood_success=... seqkd_ood_success=...
            gad_success_spread=... (max - min over seeds) ...
@@ -47,7 +48,8 @@ DEFAULT_FLAGS = ["--data.task=quiz", "--train.prompts_per_step=8", "--rollout.n=
                  # GAD after its warmup: 20 steps of the discriminator alone (the paper: 10); raw score
                  # differences as advantages, not std-normalised (a discriminator near chance gives
                  # near-equal scores, which std normalisation blows up to unit advantages: with it, KL
-                 # 0.001 and the last-token head, one screen's student fell from 59% to 0.5%); KL 0.01
+                 # 0.001, the last-token head and the tiny model's rates, one screen's student fell
+                 # from 59% to 0.5%, docs/gad.md); KL 0.01
                  "--gad.critic_warmup=20", "--gad.norm_adv_by_std=False", "--algo.kl_coef=0.01"]
 WARMUP, STEPS = 100, 200
 # The distillation prompts are a part of the task (run.py flags without their "--"): quizzes of
@@ -220,7 +222,9 @@ def main():
         + [f"{name}_{key}={mean(name, key):.3f}" for name in ("start", "teacher")
            for key in ("success", "ood_success")])
     with open(os.path.join(args.out, "gad.md"), "w") as f:
-        f.write(f"flags: {shlex.join(common)}; GAD warmup {args.warmup} of {args.steps} steps; distillation prompts: "
+        cache = os.environ.get("SDPO_CACHE", os.path.expanduser("~/.cache/sdpo"))  # no machine paths in results
+        flags = shlex.join(common).replace(cache, "$SDPO_CACHE")
+        f.write(f"flags: {flags}; GAD warmup {args.warmup} of {args.steps} steps; distillation prompts: "
                 f"{args.distil}; shifted split: {args.ood}\n\n")
         f.write("\n".join(table) + "\n\nGAD runs:\n\n" + d_acc + f"\n\n{result}\n")
     print("\n".join(table))
