@@ -118,23 +118,7 @@ class Critic:
                 (self.model(*right_pad([[pad_id]], pad_id, d.device), start_positions([0], [[pad_id]], d.device)).sum()
                  * 0.0).backward()
                 continue
-            seqs = [s for g in part for s in [groups[g][1], *groups[g][2]]]
-            starts = [groups[g][0] for g in part for _ in range(1 + len(groups[g][2]))]
-            scores = self.model(*right_pad(seqs, pad_id, d.device), start_positions(starts, seqs, d.device))
-            loss_sum, start = 0.0, 0
-            for g in part:
-                n = len(groups[g][2])
-                teacher, students = scores[start], scores[start + 1:start + 1 + n]
-                loss, _ = losses.discriminator_loss(teacher.expand(n), students)
-                loss_sum = loss_sum + loss * n  # the mean over its n pairs, back to a sum
-                # A student text identical to the teacher's scores the same: no discriminator can
-                # order the pair, so accuracy counts the pairs whose texts differ.
-                distinct = torch.tensor([s != groups[g][1] for s in groups[g][2]])
-                above = (teacher.detach() > students.detach())[distinct].sum().item()
-                sums += torch.tensor([loss.item() * n, above, teacher.item(), students.sum().item(), 1.0,
-                                      distinct.sum().item()], dtype=torch.float64)
-                local[g] = scores[start:start + 1 + n].detach().tolist()
-                start += 1 + n
+            loss_sum = self.pair_losses({g: groups[g] for g in part}, pad_id, d.device, sums, local)
             (loss_sum / max(pairs, 1) * d.world).backward()  # FSDP2 averages gradients over ranks
         if d.world > 1:
             gathered = [None] * d.world
@@ -154,6 +138,28 @@ class Critic:
                    "gad/teacher_score": sums[2].item() / teachers, "gad/student_score": sums[3].item() / pairs,
                    "gad/d_grad_norm": grad_norm, "gad/d_skipped_steps": float(not math.isfinite(grad_norm))}
         return Update([s for g in range(len(groups)) for s in local[g]], metrics)
+
+    def pair_losses(self, groups: dict, pad_id: int, device, sums: torch.Tensor, local: dict):
+        """The summed −logσ(D_t − D_s) of the pairs of groups ({index: train_step's group}), in one
+        forward. Adds each group's figures to sums (train_step's) and its pre-update scores to local."""
+        seqs = [s for _, teacher, students in groups.values() for s in [teacher, *students]]
+        starts = [prompt for prompt, _, students in groups.values() for _ in range(1 + len(students))]
+        scores = self.model(*right_pad(seqs, pad_id, device), start_positions(starts, seqs, device))
+        loss_sum, start = 0.0, 0
+        for g, (_, teacher_ids, student_ids) in groups.items():
+            n = len(student_ids)
+            teacher, students = scores[start], scores[start + 1:start + 1 + n]
+            loss, _ = losses.discriminator_loss(teacher.expand(n), students)
+            loss_sum = loss_sum + loss * n  # the mean over its n pairs, back to a sum
+            # A student text identical to the teacher's scores the same: no discriminator can
+            # order the pair, so accuracy counts the pairs whose texts differ.
+            distinct = torch.tensor([s != teacher_ids for s in student_ids])
+            above = (teacher.detach() > students.detach())[distinct].sum().item()
+            sums += torch.tensor([loss.item() * n, above, teacher.item(), students.sum().item(), 1.0,
+                                  distinct.sum().item()], dtype=torch.float64)
+            local[g] = scores[start:start + 1 + n].detach().tolist()
+            start += 1 + n
+        return loss_sum
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
