@@ -118,7 +118,6 @@ def spread(values: list[float]) -> tuple[float, float, float]:
 def d_acc_table(runs: list[list[dict]], window: int) -> str:
     """Each GAD run's held-out d_acc (pairs whose texts differ), share of identical pairs and
     training success, averaged over windows of steps, and the stage each window ended in."""
-    import statistics
     seeds = " | ".join(f"seed {s}: d_acc, identical, success" for s in range(len(runs)))
     rows = [f"| steps | {seeds} | stage |",
             "|---|" + "---|" * len(runs) + "---|"]
@@ -127,10 +126,9 @@ def d_acc_table(runs: list[list[dict]], window: int) -> str:
         cells, stage = [], ""
         for records in runs:
             part = [r for r in records if lo <= r["step"] < lo + window and "gad/identical_frac" in r]
-            mean = lambda key: statistics.mean(r[key] for r in part if key in r) if any(key in r for r in part) \
-                else float("nan")
-            cells.append(", ".join(f"{mean(key):.2f}" for key in ("gad/d_acc", "gad/identical_frac",
-                                                               "reward/success_rate")))
+            values = lambda key: [r[key] for r in part if key in r]  # no d_acc where every pair was identical
+            cells.append(", ".join(f"{sum(values(key)) / len(values(key)):.2f}" if values(key) else "nan"
+                                   for key in ("gad/d_acc", "gad/identical_frac", "reward/success_rate")))
             stage = stages[int(part[-1]["gad/stage"])] if part else stage
         rows.append(f"| {lo}-{lo + window - 1} | " + " | ".join(cells) + f" | {stage} |")
     return "\n".join(rows)
