@@ -20,6 +20,7 @@ import losses
 import objectives
 import sdpo
 from config import Config
+from logger import status
 from objectives import Dist
 from policy import load_policy, pad_token_id
 from rollout import generate_and_score, rank0_call, reward_function
@@ -51,6 +52,18 @@ def evaluate(engine, tokenizer, rows, cfg: Config, before: list | None = None,
 
 
 EVAL_ROWS_FILE = "eval_rows.jsonl"  # a line per evaluation of a training run: each held-out row's success
+
+
+def evaluate_start(engine, tokenizer, rows, cfg: Config, baseline: tuple | None, d: Dist) -> tuple[dict, list]:
+    """Step 0's metrics and each row's success (every rank): evaluated now on rank 0, or taken from
+    baseline (baseline_evaluation's), which then goes into this run's eval_rows.jsonl too, so that a
+    later run may take this one as its baseline."""
+    if baseline:
+        status(d, f"step 0: the evaluation of {cfg.train.eval_baseline} (--train.eval_baseline)")
+        rank0_call(d, lambda: save_row_success(cfg, 0, rows, *baseline), share=False)
+        return baseline
+    status(d, f"step 0: evaluating {len(rows)} held-out rows x {cfg.rollout.eval_k} samples")
+    return rank0_call(d, lambda: evaluate(engine, tokenizer, rows, cfg, step=0))
 
 
 def save_row_success(cfg: Config, step: int, rows, metrics: dict, per_row: list):

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 
 from config import Config, save_config
 
@@ -129,6 +130,14 @@ class Progress:
     def close(self):
         if self.bar is not None:
             self.bar.close()
+
+
+def step_time(rollouts: list, started: float) -> dict:
+    """The step's seconds since started (a perf_counter reading) and its tokens, prompts and
+    responses, per second."""
+    seconds = time.perf_counter() - started
+    tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
+    return {"time/step_s": seconds, "throughput/tokens_per_s": tokens / seconds}
 
 
 def status(d, text: str):

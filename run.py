@@ -23,8 +23,8 @@ import objectives
 from checkpoint import check_out_dir, checkpoint_path, load_checkpoint, save_checkpoint, save_hf
 from config import Config, describe, parse_config
 from data import batch_rows, read_rows, stream_seed
-from evaluate import baseline_evaluation, evaluate, evaluate_only, evaluation_due, save_row_success, success_rate
-from logger import Logger, status
+from evaluate import baseline_evaluation, evaluate, evaluate_only, evaluate_start, evaluation_due, success_rate
+from logger import Logger, step_time
 from objectives import Dist
 from policy import Trainer, build_trainer, end_distributed, load_tokenizer, pad_token_id, setup_distributed
 from rollout import generate_and_score, rank0_call, share_cores, start_engine, sync_engine
@@ -68,13 +68,7 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
         evaluate_now = lambda step: generates and evaluation_due(cfg, step)
         metrics = {}  # first_eval: each held-out row's success at step 0; later gains are paired with it
         if evaluate_now(0) and start_step == 0:
-            if baseline:  # kept in this run's eval_rows.jsonl too: a later run may take this one as its baseline
-                metrics, first_eval = baseline
-                status(d, f"step 0: the evaluation of {cfg.train.eval_baseline} (--train.eval_baseline)")
-                rank0_call(d, lambda: save_row_success(cfg, 0, eval_rows, metrics, first_eval), share=False)
-            else:
-                status(d, f"step 0: evaluating {len(eval_rows)} held-out rows x {cfg.rollout.eval_k} samples")
-                metrics, first_eval = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, step=0))
+            metrics, first_eval = evaluate_start(engine, tokenizer, eval_rows, cfg, baseline, d)
             logger.log(0, metrics)
 
         batches = Batches(cfg, objective, engine, tokenizer, train_rows, d, ahead, trainer.models)
@@ -90,9 +84,7 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             learned = learn(cfg, objective, trainer, engine, tokenizer, rollouts, step, d)
             metrics["time/wait_rollout_s"] += learned.pop("time/wait_rollout_s", 0.0)  # generating ahead: at the sync
             metrics.update(learned)
-            metrics["time/step_s"] = time.perf_counter() - t_step
-            tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
-            metrics["throughput/tokens_per_s"] = tokens / metrics["time/step_s"]
+            metrics.update(step_time(rollouts, t_step))
             # 8. evaluate, log, checkpoint
             if evaluate_now(step + 1):
                 evaluated = rank0_call(d, lambda: evaluate(engine, tokenizer, eval_rows, cfg, first_eval, step + 1))
