@@ -149,6 +149,9 @@ class GadConfig:
     # The discriminator's AdamW lr (the paper's 1e-6 is for 8B models); weight decay and betas are --optim's
     lr: float = 1e-4
     grad_clip: float = 1.0  # the discriminator's gradient-norm clip
+    # optimizer steps of the discriminator on each rollout batch (the paper's recipe: 1); its
+    # rewards and gad/d_acc come from the scores before the first
+    disc_steps: int = 1
     # what the scalar head reads: the last real token's hidden state, or the mean of the response tokens'
     pool: Literal["last", "mean"] = "last"
     policy_loss: Literal["ppo", "gspo"] = "ppo"  # the student's clipped surrogate
@@ -163,8 +166,10 @@ class GadConfig:
     teacher_temperature: float = 0.6  # the self-made teacher's sampling temperature
 
     def __post_init__(self):
-        if self.lr <= 0 or self.grad_clip <= 0 or self.warmup_steps < 0 or self.critic_warmup < 0:
+        if self.lr <= 0 or self.grad_clip <= 0 or self.warmup_steps < 0 or self.critic_warmup < 0 \
+                or self.disc_steps < 1:
             raise ValueError(f"--gad: need lr > 0 (got {self.lr}), grad_clip > 0 (got {self.grad_clip}), "
+                             f"disc_steps >= 1 (got {self.disc_steps}), "
                              f"warmup_steps, critic_warmup >= 0 (got {self.warmup_steps}, {self.critic_warmup})")
 
 

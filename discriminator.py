@@ -90,9 +90,10 @@ class Critic:
         reshard(self.model)
         return scores
 
-    def train_step(self, groups: list, pad_id: int, d, micro_batch: int) -> Update:
+    def train_step(self, groups: list, pad_id: int, d, micro_batch: int, repeats: int = 1) -> Update:
         """One Bradley–Terry step over groups: (prompt length, teacher ids, [student ids, ...]) per
-        prompt, each sequence the prompt's ids and a response's.
+        prompt, each sequence the prompt's ids and a response's; with repeats > 1, that many
+        optimizer steps on the same groups (the scores and metrics are the first's: held out).
 
         Every rank takes a share of the groups (FSDP2: as many forwards each); the loss of a
         micro-batch is its pairs' summed −logσ(D_t − D_s) over the step's global pair count.
@@ -102,6 +103,14 @@ class Critic:
         the discriminator has not trained on it is a held-out accuracy), identical_frac (pairs whose
         texts are the same), the mean scores and the grad norm.
         """
+        update = self.optimizer_step(groups, pad_id, d, micro_batch)
+        for _ in range(repeats - 1):
+            self.optimizer_step(groups, pad_id, d, micro_batch)
+        self.steps += 1
+        return update
+
+    def optimizer_step(self, groups: list, pad_id: int, d, micro_batch: int) -> Update:
+        """train_step's one optimizer step (it does not count in self.steps)."""
         self.model.train()
         mine = list(range(len(groups)))[d.rank::d.world]
         per_call = max(1, micro_batch // max(1 + max((len(s) for _, _, s in groups), default=1), 1))
@@ -130,7 +139,6 @@ class Critic:
         if math.isfinite(grad_norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
         reshard(self.model)
         pairs, teachers = max(pairs, 1), max(sums[4].item(), 1.0)
         metrics = {"gad/d_loss": sums[0].item() / pairs, "gad/identical_frac": 1.0 - sums[5].item() / pairs,

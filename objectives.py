@@ -680,7 +680,7 @@ def gad_rewards(rollouts: list, models: Models, cfg, pad_id: int, d: Dist) -> di
     groups = [([r for r in g if r.generated], next(r for r in g if not r.generated)) for g in prompt_groups(rollouts)]
     update = critic.train_step([(len(t.prompt_ids), t.prompt_ids + t.response_ids,
                                  [s.prompt_ids + s.response_ids for s in students])
-                                for students, t in groups], pad_id, d, cfg.train.micro_batch)
+                                for students, t in groups], pad_id, d, cfg.train.micro_batch, cfg.gad.disc_steps)
     scores = iter(update.scores)
     for students, teacher in groups:
         for r in [teacher, *students]:

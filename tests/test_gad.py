@@ -149,6 +149,28 @@ def test_rewards_come_from_the_discriminator_before_its_update(tiny_dir, tokeniz
     assert [r.advantage for r in students] == pytest.approx(expected.tolist(), abs=1e-9)
 
 
+def test_several_discriminator_steps_a_batch_are_that_many_steps_rewarded_with_the_first_scores(tiny_dir,
+                                                                                                tokenizer):
+    """--gad.disc_steps 3 trains as three one-step batches on the same rollouts would, while its
+    rewards and metrics are the first step's (held out) and the stages still count batches."""
+    pad = tokenizer.pad_token_id
+    rollouts = _gad_rollouts(tokenizer, gad_config("--rollout.n=3"))
+    repeated, single = _critic(tiny_dir, lr=1e-2), _critic(tiny_dir, lr=1e-2)
+    pre = repeated.score([r.prompt_ids + r.response_ids for r in rollouts], pad, "cpu")
+    batch = copy.deepcopy(rollouts)
+    got = gad_rewards(batch, Models(_policy(tiny_dir), discriminator=repeated),
+                      gad_config("--rollout.n=3", "--gad.disc_steps=3"), pad, ONE_PROCESS)
+    assert repeated.steps == 1
+    torch.testing.assert_close(torch.tensor([r.discriminator_score for r in batch]), pre, rtol=1e-5, atol=1e-5)
+    firsts = [gad_rewards(copy.deepcopy(rollouts), Models(_policy(tiny_dir), discriminator=single),
+                          gad_config("--rollout.n=3"), pad, ONE_PROCESS) for _ in range(3)]
+    assert got["gad/d_loss"] == pytest.approx(firsts[0]["gad/d_loss"], rel=1e-5)
+    # the later steps moved the scores: one step alone would not match three
+    assert abs(firsts[2]["gad/d_loss"] - firsts[0]["gad/d_loss"]) > 1e-3
+    for (name, p), q in zip(repeated.model.named_parameters(), single.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_the_teacher_text_ends_with_the_engines_eos_so_identical_texts_score_identically(tiny_dir, tokenizer):
     cfg = gad_config("--rollout.n=2")
     rollouts = _rollouts(tokenizer, "grpo", n_prompts=1, n=2)
