@@ -149,8 +149,8 @@ class GadConfig:
     # The discriminator's AdamW lr (the paper's 1e-6 is for 8B models); weight decay and betas are --optim's
     lr: float = 1e-4
     grad_clip: float = 1.0  # the discriminator's gradient-norm clip
-    # optimizer steps of the discriminator on each rollout batch (the paper's recipe: 1); its
-    # rewards and gad/d_acc come from the scores before the first
+    # the discriminator's optimizer steps on each rollout batch; the rewards and gad/d_acc are the
+    # scores before the first (4 on the quiz: d_acc fell, docs/gad.md)
     disc_steps: int = 1
     # what the scalar head reads: the last real token's hidden state, or the mean of the response tokens'
     pool: Literal["last", "mean"] = "last"
