@@ -589,8 +589,8 @@ def test_a_run_pairs_its_gains_with_an_earlier_runs_step0_evaluation(tiny_dir, t
 
 REQUIRED_KEYS = ["reward/mean", "reward/success_rate", "rollout/mismatch_kl", "is/ratio_mean", "is/ratio_max",
                  "actor/entropy", "actor/grad_norm", "response/length_mean", "response/truncated_frac",
-                 "sync/seconds", "sync/probe_max_abs_diff", "sync/megabytes", "time/rollout_s", "time/teacher_s",
-                 "time/train_s", "time/step_s", "throughput/tokens_per_s", "eval/success_rate"]
+                 "sync/seconds", "sync/probe_max_abs_diff", "sync/reloads", "sync/megabytes", "time/rollout_s",
+                 "time/teacher_s", "time/train_s", "time/step_s", "throughput/tokens_per_s", "eval/success_rate"]
 SMALL = ["--train.warm_start_steps=0", "--train.steps=2", "--train.prompts_per_step=4", "--rollout.n=4",
          "--rollout.max_tokens=12", "--data.eval_rows=4", "--rollout.eval_k=2", "--train.eval_every=2",
          "--log.wandb_mode=disabled", "--log.progress=False", "--sdpo.topk=16"]
