@@ -5,13 +5,13 @@ import math
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import data
 import objectives
+import rollout
 import run
 from objectives import OBJECTIVES, Models, Rollout, preference_pairs, prepare_pairs
 from teacher import Reference
@@ -240,7 +240,7 @@ class ProbeEngine:
     """Accepts every weight sync (run.sync_engine's contract) without a vLLM engine."""
 
     def update_weights(self, state, probe, trainer_logprobs, tol, version=None, probe_images=None):
-        return SimpleNamespace(probe_max_abs_diff=0.0, waited_s=0.0, engine_idle_s=0.0)
+        return rollout.SyncResult(seconds=0.0, probe_max_abs_diff=0.0)
 
 
 def test_the_loop_refreshes_the_reference_after_every_nth_step(tiny_dir, tokenizer):

@@ -204,6 +204,24 @@ def check_silent_non_update_is_caught(engine, hf, probe, monkeypatch):
     assert sync(engine, new, probe).probe_max_abs_diff < TOL
 
 
+def check_a_lost_load_is_repeated(engine, hf, probe, monkeypatch):
+    """The first reload is lost (the engine keeps its weights): the probe sees it, the load is
+    repeated, and the result counts it; the engine then holds the new weights."""
+    real_rpc, calls = engine.llm.collective_rpc, []
+
+    def lose_the_first_reload(method, *args, **kwargs):
+        calls.append(method)
+        return None if calls.count("reload_weights") == 1 else real_rpc(method, *args, **kwargs)
+
+    monkeypatch.setattr(engine.llm, "collective_rpc", lose_the_first_reload)
+    new = perturbed(hf, seed=4)
+    result = sync(engine, new, probe)
+    assert calls.count("reload_weights") == 2 and result.reloads == 1
+    assert result.probe_max_abs_diff < TOL
+    assert max_diff(engine.score([probe])[0], rollout.probe_logprobs(new, probe)) < TOL
+    assert sync(engine, hf, probe).reloads == 0  # a load that takes is not repeated
+
+
 # -----------------------------------------------------------------------------
 # in-process engine
 
@@ -329,22 +347,8 @@ class TestInProcess:
         check_silent_non_update_is_caught(engine, hf, probe, monkeypatch)
 
     def test_a_load_that_did_not_take_is_loaded_once_more(self, engine, hf, probe, monkeypatch, restore):
-        """The first reload is lost (the engine keeps its weights): the probe sees it, the load
-        is repeated, and the result counts it; the engine then holds the new weights."""
         restore.append(engine)
-        real_rpc, calls = engine.llm.collective_rpc, []
-
-        def lose_the_first_reload(method, *args, **kwargs):
-            calls.append(method)
-            return None if calls.count("reload_weights") == 1 else real_rpc(method, *args, **kwargs)
-
-        monkeypatch.setattr(engine.llm, "collective_rpc", lose_the_first_reload)
-        new = perturbed(hf, seed=4)
-        result = sync(engine, new, probe)
-        assert calls.count("reload_weights") == 2 and result.reloads == 1
-        assert result.probe_max_abs_diff < TOL
-        assert max_diff(engine.score([probe])[0], rollout.probe_logprobs(new, probe)) < TOL
-        assert sync(engine, hf, probe).reloads == 0  # a load that takes is not repeated
+        check_a_lost_load_is_repeated(engine, hf, probe, monkeypatch)
 
 
 # -----------------------------------------------------------------------------
@@ -395,22 +399,8 @@ class TestOwnProcess:
         check_silent_non_update_is_caught(engine, hf, probe, monkeypatch)
 
     def test_a_load_that_did_not_take_is_loaded_once_more(self, engine, hf, probe, monkeypatch, restore):
-        """The first reload is lost (the engine keeps its weights): the probe sees it, the load
-        is repeated, and the result counts it; the engine then holds the new weights."""
         restore.append(engine)
-        real_rpc, calls = engine.llm.collective_rpc, []
-
-        def lose_the_first_reload(method, *args, **kwargs):
-            calls.append(method)
-            return None if calls.count("reload_weights") == 1 else real_rpc(method, *args, **kwargs)
-
-        monkeypatch.setattr(engine.llm, "collective_rpc", lose_the_first_reload)
-        new = perturbed(hf, seed=4)
-        result = sync(engine, new, probe)
-        assert calls.count("reload_weights") == 2 and result.reloads == 1
-        assert result.probe_max_abs_diff < TOL
-        assert max_diff(engine.score([probe])[0], rollout.probe_logprobs(new, probe)) < TOL
-        assert sync(engine, hf, probe).reloads == 0  # a load that takes is not repeated
+        check_a_lost_load_is_repeated(engine, hf, probe, monkeypatch)
 
 
 # -----------------------------------------------------------------------------
