@@ -348,10 +348,10 @@ class Engine:
             # Tensors cannot cross to the engine process by pickling (bf16 has no buffer
             # protocol), so they go through a safetensors file in shared memory.
             self._write_sync_file(state_dict)
-            load = {"weights_path": self._sync_dir}
+            load = lambda: {"weights_path": self._sync_dir}
         else:
             weights = [(k, v.detach()) for k, v in state_dict.items()]
-            load = {"weights_iterator": weights}
+            load = lambda: {"weights_iterator": iter(weights)}  # a fresh iterator for each load
         diff = self._load_and_probe(load, probe_ids, probe_images, trainer_probe_logprobs)
         reloads = 0
         if not diff <= tol:  # NaN fails too
@@ -368,14 +368,12 @@ class Engine:
         return SyncResult(seconds=time.perf_counter() - t0, probe_max_abs_diff=diff, waited_s=waited,
                           engine_idle_s=idle, reloads=reloads)
 
-    def _load_and_probe(self, load: dict, probe_ids: list[int], probe_images: list | None,
+    def _load_and_probe(self, load, probe_ids: list[int], probe_images: list | None,
                         trainer_probe_logprobs: torch.Tensor) -> float:
-        """Reload the weights (load: reload_weights' weights_path, or the (name, tensor) list as
-        weights_iterator), empty the caches computed with the old ones, and return the engine's
-        probe log-probs' max abs difference from the trainer's."""
-        if "weights_iterator" in load:
-            load = {"weights_iterator": iter(load["weights_iterator"])}
-        self._call("weight sync", self.llm.collective_rpc, "reload_weights", timeout=self.rpc_timeout_s, kwargs=load)
+        """Reload the weights (load(): reload_weights' keyword arguments), empty the caches computed
+        with the old ones, and return the engine's probe log-probs' max abs difference from the trainer's."""
+        self._call("weight sync", self.llm.collective_rpc, "reload_weights", timeout=self.rpc_timeout_s,
+                   kwargs=load())
         if self._call("prefix cache reset", self.llm.reset_prefix_cache) is False:
             # vLLM refuses while a request holds KV blocks: generations would read the old weights' cache
             raise EngineError("weight sync: vLLM did not reset its prefix cache (a request still holds KV blocks)")
