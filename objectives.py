@@ -427,21 +427,30 @@ def sdpo_loss(mb: MicroBatch, models: Models, cfg):
     per_token = mb.matrix(loss) * is_clip * engine_correction(mb, old, cfg)
     stats = rollout_stats(mb, old, entropy)
     stats["sdpo/divergence"] = ((mb.matrix(loss).detach() * mask).sum().item(), mask.sum().item())
-    stats.update(teacher_diagnostics(mb, mask, current, entropy, teacher_lp, teacher_entropy))
+    stats.update(teacher_diagnostics(mb, mask, current, entropy, teacher_lp, teacher_entropy,
+                                     cfg.sdpo.success_threshold))
     return aggregate(mb, per_token, mask, cfg, "token-mean"), stats
 
 
-def teacher_diagnostics(mb: MicroBatch, mask, student_lp, student_entropy, teacher_lp, teacher_entropy) -> dict:
+def teacher_diagnostics(mb: MicroBatch, mask, student_lp, student_entropy, teacher_lp, teacher_entropy,
+                        success_threshold: float) -> dict:
     """What tells a researcher early whether the teacher knows more than the student:
     teacher-minus-student entropy (a teacher flatter than its student pulls it towards
     noise) and teacher-minus-student log-prob of the sampled tokens, split by the kind of
-    teacher context (a demonstration from a successful sibling, or feedback only)."""
+    teacher context (a demonstration from a successful sibling, or feedback only) and, for
+    demonstrations, by whether the sample itself succeeded: a teacher that knows which answer
+    is right likes a wrong sample's tokens less than a right one's (demo_wrong < demo_right);
+    where the two are alike, distillation lowers right and wrong answers alike."""
     entropy_gap = mb.matrix(teacher_entropy - student_entropy) * mask
     logprob_gap = mb.matrix(teacher_lp - student_lp) * mask
     stats = {"sdpo/teacher_entropy": ((mb.matrix(teacher_entropy) * mask).sum().item(), mask.sum().item()),
              "sdpo/teacher_minus_student_entropy": (entropy_gap.sum().item(), mask.sum().item())}
-    for kind, name in (("demonstration", "demo"), ("feedback", "feedback")):
-        rows = mb.per_sequence(lambda r: r.teacher_context == kind)[:, None] * mask
+    demo = lambda r: r.teacher_context == "demonstration"
+    kinds = {"demo": demo, "feedback": lambda r: r.teacher_context == "feedback",
+             "demo_right": lambda r: demo(r) and r.reward >= success_threshold,
+             "demo_wrong": lambda r: demo(r) and r.reward < success_threshold}
+    for name, of_kind in kinds.items():
+        rows = mb.per_sequence(of_kind)[:, None] * mask
         stats[f"sdpo/teacher_minus_student_logprob_{name}"] = ((logprob_gap * rows).sum().item(), rows.sum().item())
     # at the EOS that ended each answer: below 0, the teacher would not stop there (a weak model
     # shown a demonstration in another format wants that format's ending first)
@@ -473,7 +482,7 @@ def hybrid_loss(mb: MicroBatch, models: Models, cfg):
                                           cfg.algo.lam)
     loss, stats = clipped_loss(mb, logprobs, entropy, advantages, cfg)
     stats.update(teacher_diagnostics(mb, has_teacher * mb.response_mask, logprobs.detach(), entropy, teacher_lp,
-                                     teacher_entropy))
+                                     teacher_entropy, cfg.sdpo.success_threshold))
     return loss, stats
 
 

@@ -52,7 +52,9 @@ DIAGNOSTICS = {"reward/success_rate": "training success",
                "sdpo/success_without_successful_sibling": "success, without",
                "sdpo/teacher_coverage": "teacher coverage",
                "sdpo/teacher_minus_student_logprob_demo": "T - S, demonstration",
-               "sdpo/teacher_minus_student_logprob_feedback": "T - S, feedback only"}
+               "sdpo/teacher_minus_student_logprob_feedback": "T - S, feedback only",
+               "sdpo/teacher_minus_student_logprob_demo_right": "T - S, demonstration, right samples",
+               "sdpo/teacher_minus_student_logprob_demo_wrong": "T - S, demonstration, wrong samples"}
 
 
 def warm_start(flags: list[str]) -> str:

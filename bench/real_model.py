@@ -85,6 +85,10 @@ ALGOS = {
 SPLIT = ("time/rollout_s", "time/teacher_s", "time/train_s", "sync/seconds", "time/step_s")
 TEACHER_GAP = "sdpo/teacher_minus_student_entropy"  # SDPO's early warning (logger.FLAT_TEACHER_METRIC)
 EOS_GAP = "sdpo/teacher_minus_student_logprob_eos"  # < 0: the teacher would not stop where the student does
+# per token, samples with a demonstration, by their own success: a teacher that knows which answer is
+# right likes the wrong ones less (right > wrong); alike, distillation lowers both
+DEMO_GAPS = {"demo_right": "sdpo/teacher_minus_student_logprob_demo_right",
+             "demo_wrong": "sdpo/teacher_minus_student_logprob_demo_wrong"}
 
 
 def tree_pss_bytes(pid: int) -> int:
@@ -188,7 +192,6 @@ def algo_result(algo: str, seed: int, common: list[str], steps_n: int, out: str,
     first_eval, last_eval = evals[0], evals[-1]
     split = {k: mean(steps[1:] or steps, k) for k in SPLIT}  # the first step warms the engine up
     gaps = [r[TEACHER_GAP] for r in steps if TEACHER_GAP in r]
-    eos_gaps = [r[EOS_GAP] for r in steps if EOS_GAP in r]
     res = {
         "algo": algo, "seed": seed, "steps": len(steps),
         "before": first_eval["eval/success_rate"], "after": last_eval["eval/success_rate"],
@@ -204,7 +207,7 @@ def algo_result(algo: str, seed: int, common: list[str], steps_n: int, out: str,
         "entropy_last": next((r["actor/entropy"] for r in reversed(steps) if "actor/entropy" in r), float("nan")),
         "updated_steps": sum(r.get("actor/grad_norm", 0.0) > 0 for r in steps),  # else every mini-batch skipped
         "tms_first": gaps[0] if gaps else float("nan"), "tms_mean": sum(gaps) / len(gaps) if gaps else float("nan"),
-        "eos_gap": sum(eos_gaps) / len(eos_gaps) if eos_gaps else float("nan"),
+        "eos_gap": mean(steps, EOS_GAP), **{name: mean(steps, key) for name, key in DEMO_GAPS.items()},
         "train_success": mean(steps, "reward/success_rate") if any("reward/success_rate" in r for r in steps)
         else mean(steps, "reward/mean"),
         "final_rows": final_rows, "warnings": warnings,
@@ -214,7 +217,8 @@ def algo_result(algo: str, seed: int, common: list[str], steps_n: int, out: str,
           f"gain {100 * res['gain']:+.1f} ± {100 * res['gain_se']:.1f} points, truncated "
           f"{res['trunc_first']:.3f} -> {res['trunc_last']:.3f}, entropy {res['entropy_first']:.2f} -> "
           f"{res['entropy_last']:.2f}, teacher-student entropy {res['tms_mean']:+.3f}, at the EOS "
-          f"{res['eos_gap']:+.3f} nats, "
+          f"{res['eos_gap']:+.3f} nats, shown a demonstration {res['demo_right']:+.3f} right / "
+          f"{res['demo_wrong']:+.3f} wrong, "
           f"train success {res['train_success']:.3f}, {res['updated_steps']} of {len(steps)} steps updated, "
           f"step {split['time/step_s']:.1f}s, wall {seconds:.0f}s, peak {peak:.2f} GB", flush=True)
     return res
@@ -239,6 +243,7 @@ def result_line(r: dict) -> str:
             f"entropy_first={r['entropy_first']:.3f} entropy_last={r['entropy_last']:.3f} "
             f"teacher_minus_student_entropy_first={r['tms_first']:.3f} teacher_minus_student_entropy_mean={r['tms_mean']:.3f} "
             f"teacher_minus_student_logprob_eos={r['eos_gap']:.3f} "
+            + "".join(f"teacher_minus_student_logprob_{name}={r[name]:.3f} " for name in DEMO_GAPS)
             + " ".join(f"{k.split('/')[-1]}={r['split'][k]:.2f}" for k in SPLIT)
             + f" other_s={r['other_s']:.0f} wall_s={r['wall_s']:.0f} peak_tree_gb={r['peak_gb']:.2f}")
 

@@ -288,6 +288,36 @@ def test_the_eos_diagnostic_is_the_teachers_log_prob_of_stopping_minus_the_stude
     assert count == len(gaps) and total == pytest.approx(sum(gaps), abs=1e-4)
 
 
+def test_the_demonstration_diagnostic_splits_right_and_wrong_samples(tiny_dir, tokenizer):
+    """sdpo/teacher_minus_student_logprob_demo_right / _demo_wrong, against each model's own
+    forward: the teacher-minus-student log-prob summed over every response token of the samples
+    whose teacher context is a demonstration, split by the sample's own success."""
+    cfg = run.parse_config(["--algo=sdpo", "--sdpo.topk=8"])
+    policy, teacher_model = _policy(tiny_dir, seed=1), _policy(tiny_dir, seed=2)
+    rollouts = _rollouts(tokenizer, "sdpo")
+    for i, r in enumerate(rollouts):
+        r.reward = float(i % 4 in (0, 1))  # two successes a group: each demonstrates for the other
+        r.text, r.feedback = tokenizer.decode(r.response_ids), "Wrong Answer: input abc expected cba"
+    objectives.prepare_teacher_contexts(rollouts, tokenizer, cfg)
+    mb = objectives.micro_batch(None, rollouts, step_counts(rollouts, OBJECTIVES["sdpo"]), tokenizer.pad_token_id,
+                                CPU, None, 1)
+    _, stats = OBJECTIVES["sdpo"].loss(mb, Models(policy, Teacher("ema", 0.05, teacher_model)), cfg)
+
+    def response_logprobs(model, ids, length):
+        with torch.no_grad():
+            logits = model.hf(input_ids=torch.tensor([ids])).logits[0, -length - 1:-1].float()
+        return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[-length:])[:, None]).squeeze(1)
+    for name, right in (("demo_right", True), ("demo_wrong", False)):
+        chosen = [r for r in rollouts if r.teacher_context == "demonstration" and (r.reward >= 0.5) == right]
+        gaps = [response_logprobs(teacher_model, r.teacher_ids, len(r.response_ids))
+                - response_logprobs(policy, r.prompt_ids + r.response_ids, len(r.response_ids)) for r in chosen]
+        total, count = stats[f"sdpo/teacher_minus_student_logprob_{name}"]
+        assert len(chosen) == 6 and count == sum(len(g) for g in gaps)
+        assert total == pytest.approx(sum(g.sum().item() for g in gaps), abs=1e-4)
+    both = [stats[f"sdpo/teacher_minus_student_logprob_{k}"] for k in ("demo_right", "demo_wrong", "demo")]
+    assert both[0][1] + both[1][1] == both[2][1] and both[0][0] + both[1][0] == pytest.approx(both[2][0], abs=1e-4)
+
+
 def test_no_success_and_no_feedback_gives_zero_sdpo_loss(tiny_dir, tokenizer):
     cfg = run.parse_config(["--algo=sdpo", "--sdpo.topk=8"])
     policy = _policy(tiny_dir)
