@@ -201,7 +201,7 @@ class TrainConfig:
     # node's ranks) that the engine does not compute on beside it: all of them in the synchronous
     # loop, the other half with --train.off_policy_steps 1 while a generation runs (docs/async.md)
     cpu_threads: int = 0
-    share_prompt_prefix: bool = True  # old/reference log-probs: a group's prompt runs once (KV cache reuse)
+    share_prompt_prefix: bool = True  # a prompt several rollouts of a forward share runs once (KV cache reuse)
     # GRPO/GSPO/DPO/SFT/GAD log-probs from hidden states this many rows of logits at a time, never
     # [tokens, vocab] (losses.token_logprobs_from_hidden); 0: plain autograd on the full logits
     head_chunk_size: int = 512

@@ -103,12 +103,14 @@ class MicroBatch:
 
 
 def micro_batch(policy, rollouts: list, counts: dict, pad_id: int, device, old_logprobs: list | None,
-                world: int) -> MicroBatch:
+                world: int, shared_prefix: bool = False) -> MicroBatch:
+    """The rollouts laid out for the policy's gradient forward (pack; shared_prefix: see
+    share_prompts), with their engine and old log-probs [N]."""
     per_token = lambda lists: torch.tensor([v for vs in lists for v in vs], dtype=torch.float32, device=device)
     return MicroBatch(
         rollouts=rollouts,
         packed=pack(policy, [r.prompt_ids + r.response_ids for r in rollouts], [len(r.response_ids) for r in rollouts],
-                    pad_id, device, images=[r.row.get("images") for r in rollouts]),
+                    pad_id, device, images=[r.row.get("images") for r in rollouts], shared_prefix=shared_prefix),
         rollout_logprobs=per_token([r.rollout_logprobs for r in rollouts]),
         old_logprobs=None if old_logprobs is None else per_token(old_logprobs),
         counts=counts, pad_id=pad_id, world=world)
@@ -173,9 +175,12 @@ def response_logprobs(model, rollouts: list, pad_id: int, d: Dist, micro_batch: 
 
 
 def share_prompts(cfg) -> bool:
-    """Whether no-gradient forwards of the policy or reference (old and reference log-probs)
-    run a prompt shared by several rollouts once (--train.share_prompt_prefix); HF drops
-    the KV cache under gradient checkpointing."""
+    """Whether a forward of the policy or reference runs a prompt that several of its
+    rollouts share once (--train.share_prompt_prefix): the old and reference log-probs, and
+    an unsharded policy's gradient forward, whose prompt KV cache then takes the gradient of
+    every sequence that reads it (the same gradient to float32 rounding; a micro-batch of a
+    shuffled mini-batch holds ~2 samples of a prompt: forward and backward 1.7x faster on
+    the default job). HF drops the KV cache under gradient checkpointing."""
     return cfg.train.share_prompt_prefix and not cfg.model.gradient_checkpointing
 
 

@@ -15,7 +15,7 @@ import objectives
 from config import Config
 from data import stream_seed
 from objectives import Dist, Models
-from policy import Trainer
+from policy import CausalLM, Trainer
 from teacher import full_tensor
 
 
@@ -93,11 +93,15 @@ def accumulate_gradients(cfg: Config, objective, models: Models, rollouts: list,
     of rollout indices, [] where this rank idles); adds their statistics into stats. Returns
     (the summed loss, whether every loss was finite)."""
     total, finite = 0.0, True
+    # FSDP2 gathers a layer's weights again for the backward of that layer's outputs; a shared
+    # prompt's KV cache reaches the loss around them, so a sharded policy runs each sequence whole.
+    shared_prefix = objectives.share_prompts(cfg) and isinstance(models.policy, CausalLM) and not models.policy.sharded
     for j, part in enumerate(micro):
         with no_sync_unless(models.policy, d.world, last=j == len(micro) - 1):
             if part:
                 mb = objectives.micro_batch(models.policy, [rollouts[i] for i in part], counts, pad_id, d.device,
-                                            None if old_logprobs is None else [old_logprobs[i] for i in part], d.world)
+                                            None if old_logprobs is None else [old_logprobs[i] for i in part], d.world,
+                                            shared_prefix)
                 loss, mb_stats = objective.loss(mb, models, cfg)
                 add_stats(stats, mb_stats)
                 add_stats(seconds, mb.seconds)

@@ -164,9 +164,10 @@ def _update(cfg, trainer, rollouts, pad_id, objective=None, step=0):
     return run.update_policy(cfg, objective or OBJECTIVES[cfg.algo.name], trainer, rollouts, step, pad_id, ONE_PROCESS)
 
 
-def _grads(tiny_dir, tokenizer, algo, micro_batch, mini_batches=1, teacher_kind="ema", token_budget=0, **sdpo_flags):
+def _grads(tiny_dir, tokenizer, algo, micro_batch, mini_batches=1, teacher_kind="ema", token_budget=0,
+           share_prompt_prefix=True, **sdpo_flags):
     cfg = run.parse_config([f"--algo={algo}", f"--train.micro_batch={micro_batch}",
-                            f"--train.micro_batch_tokens={token_budget}",
+                            f"--train.micro_batch_tokens={token_budget}", f"--train.share_prompt_prefix={share_prompt_prefix}",
                             f"--train.mini_batches={mini_batches}", f"--sdpo.teacher={teacher_kind}",
                             "--sdpo.topk=8", "--sdpo.chunk_size=7"] + [f"--sdpo.{k}={v}" for k, v in sdpo_flags.items()])
     torch.manual_seed(0)
@@ -241,6 +242,23 @@ def test_old_logprobs_with_shared_prompts_match_the_plain_forward(tiny_dir, toke
                                                   0.7, shared_prefix=share) for share in (True, False))
     assert [len(s) for s in shared] == [len(r.response_ids) for r in rollouts]
     torch.testing.assert_close(torch.tensor(sum(shared, [])), torch.tensor(sum(plain, [])), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "sdpo", "hybrid"])
+def test_a_shared_prompt_in_the_gradient_forward_gives_the_same_gradients(tiny_dir, tokenizer, algo):
+    """The gradient forward runs a prompt several of its micro-batch's samples share once
+    (--train.share_prompt_prefix); its KV cache takes the gradient of every sequence that
+    reads it, so the gradient is that of each sequence run in full."""
+    rollouts = _rollouts(tokenizer, algo)
+    packed = objectives.micro_batch(None, rollouts[:8], {}, tokenizer.pad_token_id, CPU, None, 1, shared_prefix=True).packed
+    assert packed.prefix[0].shape[0] < 8  # the 8 samples share prompts: fewer prefix rows than sequences
+    shared, metrics_shared = _grads(tiny_dir, tokenizer, algo, 8)
+    plain, metrics_plain = _grads(tiny_dir, tokenizer, algo, 8, share_prompt_prefix=False)
+    assert sum(g.abs().sum() for g in plain[0].values()) > 0
+    for name in plain[0]:
+        torch.testing.assert_close(shared[0][name], plain[0][name], rtol=1e-4, atol=1e-7, msg=name)
+    for key in (k for k in metrics_plain if not k.startswith("time/")):
+        assert metrics_shared[key] == pytest.approx(metrics_plain[key], rel=1e-4, abs=1e-7), key
 
 
 @pytest.mark.parametrize("teacher_kind", ["ema", "trust-region"])
