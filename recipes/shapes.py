@@ -7,7 +7,7 @@ demonstrations see (54.2% against 12.8% blank) but the teacher barely copies: 62
 reference as a demonstration, so SDPO has little to distil (+0.2 +- 0.4 points). 2,000 steps
 whose first 300 show every prompt as a teacher context (as the quiz's recipe does): 45.0%
 held-out, 19.7% blind (+25.3 +- 2.0 seeing), 58.7% shown a demonstration (+13.7): SDPO gains
-from it, +0.7 points over 3 seeds (GRPO +1.1), 13 minutes to build (docs/data.md, "Measured on
+from it, +0.6 points over 6 seeds (GRPO +1.1), 13 minutes to build (docs/data.md, "Measured on
 the picture task").
 RL: 3e-5, the best of a grid on the 1,000-step warm start (40 steps of 16 x 8, seed 0, paired
 gain in points): GRPO +2.1 +- 0.6 at 3e-5, +0.8 +- 0.7 at 1e-4, -1.4 +- 0.7 at 3e-4; SDPO
