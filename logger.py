@@ -18,12 +18,23 @@ FLAT_TEACHER_METRIC, FLAT_TEACHER_NATS = "sdpo/teacher_minus_student_entropy", 0
 FLAT_TEACHER_WINDOW = 5
 
 
+# A demonstration teacher that lowers the student's right answers, and by about as much as its
+# wrong ones, cannot tell them apart: distilling it pulls the policy off what it gets right.
+# Means over 5 steps that had both kinds of sample (nats a token): right below -0.1 and right
+# minus wrong below 0.1 warns (docs/loop.md: SmolLM2-135M, where SDPO lost 7.4 points, -0.17
+# and +0.05; the quiz, where SDPO beats GRPO, ~0 and +0.10..+0.25; the default job +0.05, +0.55)
+DEMO_RIGHT = "sdpo/teacher_minus_student_logprob_demo_right"
+DEMO_WRONG = "sdpo/teacher_minus_student_logprob_demo_wrong"
+LOWERED_RIGHT_NATS, RIGHT_OVER_WRONG_NATS = -0.1, 0.1
+
+
 class Logger:
     """metrics.jsonl, wandb (offline unless asked) and a progress bar, on rank 0."""
 
     def __init__(self, cfg: Config, rank: int):
         self.rank, self.cfg, self.run, self.samples, self.warned = rank, cfg, None, None, set()
         self.recent_gaps = []  # the last FLAT_TEACHER_WINDOW steps' teacher-minus-student entropy
+        self.recent_demo = []  # (right, wrong) of the last FLAT_TEACHER_WINDOW steps that had both
         if rank != 0:
             return
         save_config(cfg, cfg.log.out_dir)
@@ -49,7 +60,12 @@ class Logger:
     def warn_once(self, step: int, record: dict):
         """Early warnings on stderr, each the first time its metric crosses its threshold: a
         teacher flatter than the student by more than FLAT_TEACHER_NATS in one step, or by
-        any margin on average over FLAT_TEACHER_WINDOW steps."""
+        any margin on average over FLAT_TEACHER_WINDOW steps; a demonstration teacher that
+        does not tell the student's right answers from its wrong ones."""
+        self.warn_flat_teacher(step, record)
+        self.warn_undiscerning_teacher(step, record)
+
+    def warn_flat_teacher(self, step: int, record: dict):
         gap = record.get(FLAT_TEACHER_METRIC)
         if gap is None or FLAT_TEACHER_METRIC in self.warned:
             return
@@ -67,6 +83,24 @@ class Logger:
               f"sharpening it. The model likely cannot use its teacher contexts in-context, or they add nothing "
               f"to what it already solves (docs/results.md: the real pretrained model; docs/LOG.md: near the ceiling); check "
               f"--eval_only --teacher_gap, and compare with --algo grpo. (Shown once.)", file=sys.stderr)
+
+    def warn_undiscerning_teacher(self, step: int, record: dict):
+        right, wrong = record.get(DEMO_RIGHT), record.get(DEMO_WRONG)
+        # a step without a right (or wrong) sample shown a demonstration logs exactly 0: no data
+        if not right or not wrong or DEMO_RIGHT in self.warned:
+            return
+        self.recent_demo = (self.recent_demo + [(right, wrong)])[-FLAT_TEACHER_WINDOW:]
+        right = sum(r for r, _ in self.recent_demo) / len(self.recent_demo)
+        wrong = sum(w for _, w in self.recent_demo) / len(self.recent_demo)
+        if len(self.recent_demo) < FLAT_TEACHER_WINDOW or right >= LOWERED_RIGHT_NATS or \
+                right - wrong >= RIGHT_OVER_WRONG_NATS:
+            return
+        self.warned.add(DEMO_RIGHT)
+        print(f"WARNING step {step}: shown a successful sibling, the teacher lowers the student's right answers "
+              f"({right:+.3f} nats a token over the last {FLAT_TEACHER_WINDOW} steps that had them) about as much as "
+              f"its wrong ones ({wrong:+.3f}): it does not tell them apart, so distilling it pulls the policy off "
+              f"what it gets right (SmolLM2-135M: SDPO lost 7.4 points; docs/results.md, the real pretrained "
+              f"model). Compare with --algo grpo or --algo hybrid. (Shown once.)", file=sys.stderr)
 
     def log_samples(self, step: int, rollouts: list):
         """The first sample of each of the first --log.samples_per_step prompts of a step."""

@@ -20,7 +20,7 @@ from rollout import Sample
 from teacher import Teacher
 from config import TrainConfig
 from evaluate import context_entropies, paired_gain, stderr, success_stderr, teacher_gap, teacher_gap_warnings
-from logger import FLAT_TEACHER_METRIC, FLAT_TEACHER_NATS
+from logger import DEMO_RIGHT, DEMO_WRONG, FLAT_TEACHER_METRIC, FLAT_TEACHER_NATS
 from policy import CausalLM, load_policy, lr_factor
 from rollout import reward_function
 from update import rank_micro_batches, rank_share, step_counts
@@ -522,6 +522,33 @@ def test_a_slightly_flatter_teacher_is_warned_when_it_stays_so(tmp_path, capsys)
     err = capsys.readouterr().err
     # steps 10-14 (-0.03 and four positive steps) average +0.013: the first window above 0
     assert err.count("WARNING") == 1 and "step 14:" in err and "average over the last 5 steps" in err
+
+
+def test_a_teacher_that_lowers_right_answers_as_much_as_wrong_ones_is_warned(tmp_path, capsys):
+    """Per-step values the runs logged: the default strops job and SmolLM2-135M's SDPO at the
+    pretrained preset, where SDPO lost 7.4 points (bench/real_model.py --algos sdpo_demo)."""
+    cfg = run.parse_config([f"--log.out_dir={tmp_path}", "--log.wandb_mode=disabled"])
+    logger = run.Logger(cfg, 0)
+    # the default job: right answers about unchanged, wrong ones lowered ~0.5 nats; and a step
+    # whose right value is -0.254 (its window still averages +0.010)
+    default_job = [(-0.033, -0.549), (0.056, -0.579), (0.005, -0.608), (0.278, -0.543), (-0.036, -0.654),
+                   (-0.254, -0.668), (-0.046, -0.546)]
+    for step, (right, wrong) in enumerate(default_job, start=1):
+        logger.log(step, {DEMO_RIGHT: right, DEMO_WRONG: wrong})
+    # a teacher that lowers right answers too, but wrong ones far more, still tells them apart
+    for step in range(8, 14):
+        logger.log(step, {DEMO_RIGHT: -0.15, DEMO_WRONG: -0.7})
+    assert "WARNING" not in capsys.readouterr().err
+    logger = run.Logger(cfg, 0)
+    # SmolLM2: steps 5 and 8 had no right sample shown a demonstration (logged 0): not data
+    smollm2 = [(-0.219, -0.159), (-0.235, -0.232), (-0.137, -0.172), (-0.015, -0.322), (0.0, -0.226),
+               (-0.219, -0.188), (-0.223, -0.168), (0.0, -0.149), (-0.134, -0.147)]
+    for step, (right, wrong) in enumerate(smollm2, start=1):
+        logger.log(step, {DEMO_RIGHT: right, DEMO_WRONG: wrong})
+    logger.close()
+    err = capsys.readouterr().err
+    # steps 1-4 and 6 average -0.165 right, -0.215 wrong: the first window of five with data
+    assert err.count("WARNING") == 1 and "WARNING step 6:" in err and "(-0.165 nats" in err and "(-0.215)" in err
 
 
 def test_data_file_split_is_announced_and_an_empty_split_is_an_error(tmp_path, capsys):
