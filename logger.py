@@ -77,12 +77,12 @@ class Logger:
             why = f"{window_mean:+.3f} nats on average over the last {FLAT_TEACHER_WINDOW} steps (> 0)"
         else:
             return
-        self.warned.add(FLAT_TEACHER_METRIC)
-        print(f"WARNING step {step}: {FLAT_TEACHER_METRIC}={why}: the teacher is flatter than the student on "
-              f"the student's own tokens, so self-distillation will raise the policy's entropy instead of "
-              f"sharpening it. The model likely cannot use its teacher contexts in-context, or they add nothing "
-              f"to what it already solves (docs/results.md: the real pretrained model; docs/LOG.md: near the ceiling); check "
-              f"--eval_only --teacher_gap, and compare with --algo grpo. (Shown once.)", file=sys.stderr)
+        self.warn(FLAT_TEACHER_METRIC, step,
+                  f"{FLAT_TEACHER_METRIC}={why}: the teacher is flatter than the student on the student's own "
+                  f"tokens, so self-distillation will raise the policy's entropy instead of sharpening it. The "
+                  f"model likely cannot use its teacher contexts in-context, or they add nothing to what it already "
+                  f"solves (docs/results.md: the real pretrained model; docs/LOG.md: near the ceiling); check "
+                  f"--eval_only --teacher_gap, and compare with --algo grpo.")
 
     def warn_undiscerning_teacher(self, step: int, record: dict):
         right, wrong = record.get(DEMO_RIGHT), record.get(DEMO_WRONG)
@@ -95,12 +95,16 @@ class Logger:
         if len(self.recent_demo) < FLAT_TEACHER_WINDOW or right >= LOWERED_RIGHT_NATS or \
                 right - wrong >= RIGHT_OVER_WRONG_NATS:
             return
-        self.warned.add(DEMO_RIGHT)
-        print(f"WARNING step {step}: shown a successful sibling, the teacher lowers the student's right answers "
-              f"({right:+.3f} nats a token over the last {FLAT_TEACHER_WINDOW} steps that had them) about as much as "
-              f"its wrong ones ({wrong:+.3f}): it does not tell them apart, so distilling it pulls the policy off "
-              f"what it gets right (SmolLM2-135M: SDPO lost 7.4 points; docs/results.md, the real pretrained "
-              f"model). Compare with --algo grpo or --algo hybrid. (Shown once.)", file=sys.stderr)
+        self.warn(DEMO_RIGHT, step,
+                  f"shown a successful sibling, the teacher lowers the student's right answers ({right:+.3f} nats a "
+                  f"token over the last {FLAT_TEACHER_WINDOW} steps that had them) about as much as its wrong ones "
+                  f"({wrong:+.3f}): it does not tell them apart, so distilling it pulls the policy off what it gets "
+                  f"right (SmolLM2-135M: SDPO lost 7.4 points; docs/results.md, the real pretrained model). Compare "
+                  f"with --algo grpo or --algo hybrid.")
+
+    def warn(self, key: str, step: int, message: str):
+        self.warned.add(key)
+        print(f"WARNING step {step}: {message} (Shown once.)", file=sys.stderr)
 
     def log_samples(self, step: int, rollouts: list):
         """The first sample of each of the first --log.samples_per_step prompts of a step."""
