@@ -119,7 +119,7 @@ class SdpoArgs(sdpo.SdpoConfig):
     teacher: Literal["ema", "frozen", "trust-region", "live"] = "ema"
     teacher_rate: float = 0.05
     teacher_micro_batch: int = 32
-    share_teacher_prefix: bool = True  # run each distinct teacher prompt once per micro-batch (KV cache reuse)
+    share_teacher_prefix: bool = True  # a group's question, then each distinct teacher prompt, once (KV cache)
 
 
 @dataclass

@@ -719,16 +719,18 @@ def truncate_middle(ids: list[int], max_len: int, keep_tail: int = 0) -> list[in
     return list(ids[:head]) + list(ids[len(ids) - (room - head) - keep_tail:])
 
 
-def pad_left(seqs: list[list[int]], pad_id: int, min_width: int = 0):
-    """Left-padded [B, L] input ids and attention mask (LongTensor), for prompt batches."""
+def pad(seqs: list[list[int]], pad_id: int, min_width: int = 0, left: bool = True):
+    """Padded [B, L] input ids and attention mask (LongTensor): on the left for prompt
+    batches, on the right (left=False) for rows that continue a left-padded batch's cache."""
     import torch
     width = max(max(len(s) for s in seqs), min_width)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, width - len(s):] = torch.tensor(s)
-            mask[i, width - len(s):] = 1
+            where = slice(width - len(s), None) if left else slice(0, len(s))
+            ids[i, where] = torch.tensor(s)
+            mask[i, where] = 1
     return ids, mask
 
 
@@ -762,8 +764,9 @@ class Packed:
     input_ids, attention_mask [B, L]; hidden_index [N]: positions in the flattened [B*L]
     hidden states that predict each response token; targets [N]: the response tokens;
     token_index [N]: their positions in the [B, R] right-padded response matrix (`shape`).
-    prefix: None, or prompts shared by several sequences, run once (pack_shared_prefix):
-    (ids [P, Lp], mask [P, Lp], positions [P, Lp], row [B]: which prefix each sequence extends).
+    prefix: None, or prompts shared by several sequences, run once (pack_shared_prefix): a
+    chain of levels (ids [P, Lp], mask [P, Lp], rows: which of this level's P rows each row
+    of the next level, or each sequence after the last level, extends).
     images: None, or each sequence's pictures (a list, maybe empty), in the order of their
     expanded image tokens; image_mask [B, L]: True at those tokens (not at image tokens the
     model generated). The model turns them into pixel inputs (ImagePrompts.pixel_inputs).
@@ -774,7 +777,7 @@ class Packed:
     targets: "torch.Tensor"
     token_index: "torch.Tensor"
     shape: tuple
-    prefix: tuple | None = None
+    prefix: list | None = None
     images: list | None = None
     image_mask: "torch.Tensor | None" = None
 
@@ -794,20 +797,41 @@ def pack(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="c
     return packed
 
 
-def pack_shared_prefix(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu") -> Packed:
+def pack_shared_prefix(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu",
+                       groups: list | None = None) -> Packed:
     """Like pack() for sequences many of which share their prompt: each distinct prompt
     (less its last token) once, left-padded, as the prefix; every sequence's suffix (its
     prompt's last token and response, right-padded) attends to its prefix's KV cache.
-    The response positions are the same as pack()'s: one hidden state per response token."""
+    The response positions are the same as pack()'s: one hidden state per response token.
+
+    groups: a key per sequence (its prompt row's uid, for SDPO's teacher prompts, which share
+    the question and differ in demonstration and feedback): the distinct prompts of a group
+    then run their longest common prefix once, then each its rest, right-padded: a chain of
+    two prefix levels (30% fewer teacher tokens on the default job)."""
     import torch
-    prompts, row = {}, []
-    for s, r in zip(seqs, response_lens):
+    prompts, row, keys = {}, [], {}
+    for s, r, g in zip(seqs, response_lens, groups or [None] * len(seqs)):
         row.append(prompts.setdefault(tuple(s[:len(s) - r - 1]), len(prompts)))
-    prefix_ids, prefix_mask = pad_left([list(p) for p in prompts], pad_id, min_width=1)
-    prefix_positions = (prefix_mask.cumsum(1) - 1).clamp(min=0)
+        keys.setdefault(row[-1], g)
+    distinct = list(prompts)
+    levels = []
+    if groups is not None:
+        members = {}
+        for i, p in enumerate(distinct):
+            members.setdefault(keys[i], []).append(p)
+        # a group's common part, short of each member's last token: every rest keeps one
+        cut = {g: max(0, min(len(os.path.commonprefix(ps)), min(map(len, ps)) - 1)) for g, ps in members.items()}
+        stems = {}
+        parent = [stems.setdefault(p[:cut[keys[i]]], len(stems)) for i, p in enumerate(distinct)]
+        stem_ids, stem_mask = pad([list(p) for p in stems], pad_id, min_width=1)
+        levels.append((stem_ids.to(device), stem_mask.to(device), torch.tensor(parent, dtype=torch.long, device=device)))
+        distinct_ids, distinct_mask = pad([list(p[cut[keys[i]]:]) for i, p in enumerate(distinct)], pad_id,
+                                          min_width=1, left=False)
+    else:
+        distinct_ids, distinct_mask = pad([list(p) for p in distinct], pad_id, min_width=1)
+    levels.append((distinct_ids.to(device), distinct_mask.to(device), torch.tensor(row, dtype=torch.long, device=device)))
     packed = pack([s[len(s) - r - 1:] for s, r in zip(seqs, response_lens)], response_lens, pad_id, device)
-    packed.prefix = (prefix_ids.to(device), prefix_mask.to(device), prefix_positions.to(device),
-                     torch.tensor(row, dtype=torch.long, device=device))
+    packed.prefix = levels
     return packed
 
 

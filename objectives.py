@@ -121,8 +121,9 @@ def micro_batch(policy, rollouts: list, counts: dict, pad_id: int, device, old_l
 
 
 def pack(model, seqs: list, response_lens: list, pad_id: int, device, images: list | None = None,
-         shared_prefix: bool = False) -> data.Packed:
-    """Sequences laid out for model (run.CausalLM): data.pack, or data.pack_shared_prefix.
+         shared_prefix: bool = False, groups: list | None = None) -> data.Packed:
+    """Sequences laid out for model (run.CausalLM): data.pack, or data.pack_shared_prefix
+    (groups: each sequence's group key, whose members' common prompt runs once more).
 
     For a vision-language model, images[i] are sequence i's pictures (the row's: a teacher
     context keeps the prompt's pictures), and each picture's placeholder in seqs[i] is
@@ -132,7 +133,9 @@ def pack(model, seqs: list, response_lens: list, pad_id: int, device, images: li
     """
     vision = getattr(model, "vision", None)
     if vision is None:
-        return (data.pack_shared_prefix if shared_prefix else data.pack)(seqs, response_lens, pad_id, device)
+        if shared_prefix:
+            return data.pack_shared_prefix(seqs, response_lens, pad_id, device, groups)
+        return data.pack(seqs, response_lens, pad_id, device)
     images = [list(im or []) for im in (images or [None] * len(seqs))]
     seqs, masks = zip(*[vision.expand(s, im) for s, im in zip(seqs, images)]) if seqs else ((), ())
     return data.pack(list(seqs), response_lens, pad_id, device, images=images, image_masks=list(masks))
@@ -332,7 +335,8 @@ def prepare_hybrid(rollouts: list, tokenizer, cfg) -> dict:
 def teacher_hidden_states(cfg, models: Models, rollouts: list, pad_id: int, device, world: int) -> list:
     """Teacher hidden states [R, H'] at the response tokens of each rollout with a teacher
     context (None for the others: their loss is masked out), teacher_micro_batch sequences
-    per forward, a shared teacher prompt run once per forward (--sdpo.share_teacher_prefix).
+    per forward, a shared teacher prompt run once per forward (--sdpo.share_teacher_prefix),
+    and the part a group's teacher prompts share (the question) once before their rests.
     Every rank calls this at the same points, an idle one with no rollouts: ranks run as many
     forwards as the busiest (FSDP2's collectives)."""
     used = [r for r in rollouts if r.sdpo_mask > 0]
@@ -340,12 +344,14 @@ def teacher_hidden_states(cfg, models: Models, rollouts: list, pad_id: int, devi
     if world > 1:  # ranks differ in how many of their samples have a teacher context
         dist.all_reduce(calls, op=dist.ReduceOp.MAX)
     share = cfg.sdpo.share_teacher_prefix and not cfg.model.gradient_checkpointing  # HF drops the KV cache under it
-    run_model = lambda model, seqs, lens, images, head: forward(
-        model, pack(model, seqs, lens, pad_id, device, images=images, shared_prefix=share), head)
-    hidden = models.teacher.hidden(models.policy, run_model, [r.teacher_ids for r in used],
-                                   [len(r.response_ids) for r in used], cfg.sdpo.teacher_micro_batch,
-                                   calls=int(calls), dummy_seq=[pad_id, pad_id],
-                                   images=[r.row.get("images") for r in used])
+
+    def run_model(model, part, head):
+        chosen = [used[i] for i in part]  # none: an idle rank's forward, the same model calls as a real one
+        return forward(model, pack(model, [r.teacher_ids for r in chosen] or [[pad_id, pad_id]],
+                                   [len(r.response_ids) for r in chosen] or [1], pad_id, device,
+                                   images=[r.row.get("images") for r in chosen], shared_prefix=share,
+                                   groups=[r.row["uid"] for r in chosen] or [None]), head)
+    hidden = models.teacher.hidden(models.policy, run_model, len(used), cfg.sdpo.teacher_micro_batch, int(calls))
     parts = iter(hidden.split([len(r.response_ids) for r in used]) if used else [])
     return [next(parts) if r.sdpo_mask > 0 else None for r in rollouts]
 

@@ -84,18 +84,27 @@ class CausalLM(torch.nn.Module):
                 raise ValueError("a vision-language model runs without a shared prefix (objectives.pack)")
             hidden = self.hf.model(attention_mask=packed.attention_mask, **self.embed(packed)).last_hidden_state
             return hidden.flatten(0, 1)[packed.hidden_index]
-        past, positions, attention_mask = None, None, packed.attention_mask
-        if packed.prefix is not None:
-            prefix_ids, prefix_mask, prefix_positions, row = packed.prefix
-            past = self.hf.model(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=prefix_positions,
-                                 use_cache=True).past_key_values
-            past.reorder_cache(row)
-            positions = prefix_mask.sum(1)[row, None] + torch.arange(packed.input_ids.shape[1],
-                                                                     device=packed.input_ids.device)
-            attention_mask = torch.cat([prefix_mask[row], attention_mask], dim=1)
-        hidden = self.hf.model(input_ids=packed.input_ids, attention_mask=attention_mask, position_ids=positions,
-                               past_key_values=past, use_cache=packed.prefix is not None).last_hidden_state
+        past, seen = None, None  # the KV cache so far, and which of its positions hold tokens
+        for ids, mask, rows in packed.prefix or []:  # shared prompts, level by level (pack_shared_prefix)
+            past, seen = self._extend(ids, mask, past, seen)
+            past.reorder_cache(rows)
+            seen = seen[rows]
+        hidden = self._extend(packed.input_ids, packed.attention_mask, past, seen, last=True)
         return hidden.flatten(0, 1)[packed.hidden_index]
+
+    def _extend(self, ids, mask, past, seen, last: bool = False):
+        """Run ids [B, L] (mask [B, L]) after a KV cache of the same B rows (None: from the
+        start; seen: its positions' mask). Returns the last hidden states, or (the extended
+        cache, its mask). A row continues at its count of real tokens so far: a left-padded
+        first level, right-padded later ones."""
+        if seen is None:
+            positions = None if last else (mask.cumsum(1) - 1).clamp(min=0)
+        else:
+            positions = seen.sum(1, keepdim=True) + torch.arange(ids.shape[1], device=ids.device)
+            mask = torch.cat([seen, mask], dim=1)
+        out = self.hf.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
+                            use_cache=not last or past is not None)
+        return out.last_hidden_state if last else (out.past_key_values, mask)
 
     def embed(self, packed: data.Packed) -> dict:
         """A vision-language model's inputs: token embeddings with the vision tower's outputs

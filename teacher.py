@@ -91,30 +91,26 @@ class Teacher:
         return self._head
 
     @torch.no_grad()
-    def hidden(self, policy, forward, teacher_seqs, response_lens, micro_batch: int,
-               calls: int = 0, dummy_seq: list | None = None, images: list | None = None) -> torch.Tensor:
-        """Teacher final hidden states at the response positions of teacher_seqs, [N, H']
-        (H' = 2H for trust-region), computed teacher_micro_batch sequences at a time.
+    def hidden(self, policy, forward, n: int, micro_batch: int, calls: int = 0) -> torch.Tensor:
+        """Teacher final hidden states at the response positions of n teacher sequences,
+        [N, H'] (H' = 2H for trust-region), micro_batch sequences at a time.
 
-        forward(model, seqs, response_lens, images, head) runs a model and returns
-        head(hidden, W); images: each teacher sequence's pictures, or None.
-        calls: under FSDP every rank must run as many forwards as the others (each is a
-        collective); chunks beyond this rank's own run on dummy_seq and are dropped.
+        forward(model, indices, head) runs a model on the sequences at indices and returns
+        head(hidden, W). calls: under FSDP every rank must run as many forwards as the others
+        (each is a collective); those beyond this rank's own get indices [] (the caller runs
+        a dummy sequence) and are dropped.
         """
+        chunks = [range(i, min(i + micro_batch, n)) for i in range(0, n, micro_batch)]
         parts = []
-        images = images or [None] * len(teacher_seqs)
-        chunks = [(teacher_seqs[i:i + micro_batch], response_lens[i:i + micro_batch], images[i:i + micro_batch])
-                  for i in range(0, len(teacher_seqs), micro_batch)]
-        extra = max(calls - len(chunks), 0)
-        for seqs, lens, pictures in chunks + [([dummy_seq], [1], None)] * extra:
+        for part in chunks + [range(0)] * max(calls - len(chunks), 0):
             if self.kind == "live":
-                parts.append(forward(policy, seqs, lens, pictures, _hidden_only))
+                parts.append(forward(policy, part, _hidden_only))
             elif self.kind == "trust-region":
-                ref = forward(self.copy, seqs, lens, pictures, _hidden_only)
-                student = forward(policy, seqs, lens, pictures, _hidden_only)
+                ref = forward(self.copy, part, _hidden_only)
+                student = forward(policy, part, _hidden_only)
                 parts.append(torch.cat([(1 - self.rate) * ref.float(), self.rate * student.float()], dim=-1))
             else:
-                parts.append(forward(self.copy, seqs, lens, pictures, _hidden_only))
+                parts.append(forward(self.copy, part, _hidden_only))
         parts = parts[:len(chunks)]
         if self.copy is not None:
             reshard(self.copy)

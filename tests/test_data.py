@@ -935,13 +935,15 @@ def test_truncate_middle_properties(n, max_len, keep):
 # padding and packing
 
 
-def test_pad_left():
-    ids, mask = data.pad_left([[1, 2, 3], [4], [5, 6]], pad_id=0)
+def test_pad():
+    ids, mask = data.pad([[1, 2, 3], [4], [5, 6]], pad_id=0)
     assert ids.dtype == torch.long and mask.dtype == torch.long
     assert ids.tolist() == [[1, 2, 3], [0, 0, 4], [0, 5, 6]]
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
-    ids, mask = data.pad_left([[7], []], pad_id=9)
+    ids, mask = data.pad([[7], []], pad_id=9)
     assert ids.tolist() == [[7], [9]] and mask.tolist() == [[1], [0]]
+    ids, mask = data.pad([[1, 2, 3], [4]], pad_id=0, min_width=4, left=False)
+    assert ids.tolist() == [[1, 2, 3, 0], [4, 0, 0, 0]] and mask.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
 
 
 def test_pack_responses_hand_worked():

@@ -52,7 +52,7 @@ def test_score_is_read_at_the_last_real_token_whatever_the_padding(tiny_dir):
     with torch.no_grad():
         alone = torch.cat([model(torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long)) for s in seqs])
         right = model(*discriminator.right_pad(seqs, 0, "cpu"))
-        left = model(*data.pad_left(seqs, 0))
+        left = model(*data.pad(seqs, 0))
         changed = model(*discriminator.right_pad([s[:-1] + [99] for s in seqs], 0, "cpu"))
     torch.testing.assert_close(right, alone, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(left, alone, rtol=1e-5, atol=1e-5)
@@ -66,7 +66,7 @@ def test_mean_pool_reads_the_mean_of_the_response_tokens_states_whatever_the_pad
         by_hand = torch.stack([model.head(model.backbone(input_ids=torch.tensor([s])).last_hidden_state[0, k:].mean(0))
                                for s, k in zip(seqs, starts)]).squeeze(-1)
         right = model(*discriminator.right_pad(seqs, 0, "cpu"), torch.tensor(starts))
-        left = model(*data.pad_left(seqs, 0), torch.tensor(starts))
+        left = model(*data.pad(seqs, 0), torch.tensor(starts))
         prompt_changed = model(*discriminator.right_pad([[99] + s[1:] for s in seqs], 0, "cpu"), torch.tensor(starts))
     torch.testing.assert_close(right, by_hand, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(left, by_hand, rtol=1e-5, atol=1e-5)

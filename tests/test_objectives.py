@@ -49,11 +49,13 @@ def test_objective_gives_the_pinned_gradients_and_metrics(name, flags):
         for tensor, (total, squares, projection) in want.items():
             # The sum and the random projection cancel: their float rounding is relative to
             # the gradient's norm, not to themselves (the teacher's hidden states are computed
-            # once per update, in a wider padded batch than before: ~1e-7 of their values).
+            # once per update, in a wider padded batch than before: ~1e-7 of their values; a
+            # group's teacher prompts run their question once, before their rests: 1.2e-5 of
+            # the norm on one sum of the token-level case).
             norm = squares ** 0.5
             assert got[tensor][1] == pytest.approx(squares, rel=1e-5, abs=1e-12), tensor
-            assert got[tensor][0] == pytest.approx(total, abs=1e-5 * norm + 1e-12), tensor
-            assert got[tensor][2] == pytest.approx(projection, abs=1e-5 * norm + 1e-12), tensor
+            assert got[tensor][0] == pytest.approx(total, abs=2e-5 * norm + 1e-12), tensor
+            assert got[tensor][2] == pytest.approx(projection, abs=2e-5 * norm + 1e-12), tensor
     # The loss and the teacher-minus-student entropy are small differences of O(1) float32 sums:
     # their rounding is absolute, and differs between CPUs (CI's gave 1.7e-7 on an entropy gap
     # of 0.0085, 2e-5 of it), hence abs 1e-6, far below any real change to a metric.

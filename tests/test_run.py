@@ -224,12 +224,40 @@ def test_shared_prefix_forward_matches_the_plain_forward(tiny_dir):
         seqs.append(prompt + torch.randint(5, 1000, (r,), generator=g).tolist())
         lens.append(r)
     packed = data.pack_shared_prefix(seqs, lens, 0, CPU)
-    assert packed.prefix[0].shape[0] == 3  # three distinct prompts, each run once
+    assert packed.prefix[-1][0].shape[0] == 3  # three distinct prompts, each run once
     identity = lambda hidden, weight: hidden
     with torch.no_grad():
         shared = model(packed, identity)
         one_by_one = torch.cat([model(data.pack([s], [r], 0, CPU), identity) for s, r in zip(seqs, lens)])
     assert shared.shape == (sum(lens), model.hf.config.hidden_size)
+    torch.testing.assert_close(shared, one_by_one, rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_prompts_run_their_common_part_once_and_match_the_plain_forward(tiny_dir):
+    """With group keys (SDPO's teacher prompts: a question, then each sample's demonstration
+    and feedback), a group's distinct prompts run their common part once, then each its rest
+    after it; every sequence's hidden states are those of running it alone."""
+    model = CausalLM(_policy(tiny_dir, seed=1).hf.eval())
+    g = torch.Generator().manual_seed(0)
+    tokens = lambda n: torch.randint(5, 1000, (n,), generator=g).tolist()
+    question, other, demo = tokens(20), tokens(9), tokens(6)
+    prompts = [(question + demo + tokens(3), "a"), (question + demo + tokens(11), "a"), (question + tokens(2), "a"),
+               (other, "b"), (other, "b"), (other + tokens(4), "b"), ([7], "c")]
+    seqs, lens, groups = [], [], []
+    for prompt, group in prompts + prompts[:2]:  # the first two prompts again: shared whole
+        r = int(torch.randint(1, 6, (1,), generator=g))
+        seqs.append(prompt + tokens(r))
+        lens.append(r)
+        groups.append(group)
+    packed = data.pack_shared_prefix(seqs, lens, 0, CPU, groups=groups)
+    (stem_ids, stem_mask, _), (rest_ids, _, _) = packed.prefix
+    assert stem_ids.shape[0] == 3 and rest_ids.shape[0] == 6  # a stem per group; each distinct prompt's rest once
+    # the question; "b": its shorter prefix (8 tokens) less the token its rest keeps; "c": none
+    assert stem_mask.sum(1).tolist() == [20, 7, 0]
+    identity = lambda hidden, weight: hidden
+    with torch.no_grad():
+        shared = model(packed, identity)
+        one_by_one = torch.cat([model(data.pack([s], [r], 0, CPU), identity) for s, r in zip(seqs, lens)])
     torch.testing.assert_close(shared, one_by_one, rtol=1e-4, atol=1e-5)
 
 
@@ -251,7 +279,7 @@ def test_a_shared_prompt_in_the_gradient_forward_gives_the_same_gradients(tiny_d
     reads it, so the gradient is that of each sequence run in full."""
     rollouts = _rollouts(tokenizer, algo)
     packed = objectives.micro_batch(None, rollouts[:8], {}, tokenizer.pad_token_id, CPU, None, 1, shared_prefix=True).packed
-    assert packed.prefix[0].shape[0] < 8  # the 8 samples share prompts: fewer prefix rows than sequences
+    assert packed.prefix[-1][0].shape[0] < 8  # the 8 samples share prompts: fewer prefix rows than sequences
     shared, metrics_shared = _grads(tiny_dir, tokenizer, algo, 8)
     plain, metrics_plain = _grads(tiny_dir, tokenizer, algo, 8, share_prompt_prefix=False)
     assert sum(g.abs().sum() for g in plain[0].values()) > 0
