@@ -86,8 +86,8 @@ class Logger:
 
     def warn_undiscerning_teacher(self, step: int, record: dict):
         right, wrong = record.get(DEMO_RIGHT), record.get(DEMO_WRONG)
-        # a step without a right (or wrong) sample shown a demonstration logs exactly 0: no data
-        if not right or not wrong or DEMO_RIGHT in self.warned:
+        # logged only in steps that had a right (and a wrong) sample shown a demonstration
+        if right is None or wrong is None or DEMO_RIGHT in self.warned:
             return
         self.recent_demo = (self.recent_demo + [(right, wrong)])[-FLAT_TEACHER_WINDOW:]
         right = sum(r for r, _ in self.recent_demo) / len(self.recent_demo)

@@ -190,7 +190,9 @@ def add_stats(into: dict, stats: dict):
 
 def reduce_stats(stats: dict, step_losses: list, world: int) -> dict:
     """Means of the objective's (sum, count) statistics over micro-batches and ranks (maxima
-    for *_max), and the loss averaged over the optimizer steps taken."""
+    for *_max), and the loss averaged over the optimizer steps taken. A statistic no token
+    or sample counted towards (e.g. the teacher gap of right answers in a step without one)
+    is left out, not logged as 0."""
     names = sorted(stats)
     if world > 1:  # a rank without micro-batches has no statistics: agree on the names first
         gathered = [None] * world
@@ -206,7 +208,10 @@ def reduce_stats(stats: dict, step_losses: list, world: int) -> dict:
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
     out = {"actor/loss": sums[-1].item() / max(len(step_losses), 1)}
     for i, name in enumerate(names):
-        out[name] = maxima[i].item() if name.endswith("_max") else sums[i].item() / max(counts[i].item(), 1.0)
+        if name.endswith("_max"):
+            out[name] = maxima[i].item()
+        elif counts[i] > 0:
+            out[name] = sums[i].item() / counts[i].item()
     return out
 
 

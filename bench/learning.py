@@ -57,9 +57,6 @@ DIAGNOSTICS = {"reward/success_rate": "training success",
                "sdpo/teacher_minus_student_logprob_demo_wrong": "T - S, demonstration, wrong samples"}
 
 
-GAP_PREFIX = "sdpo/teacher_minus_student_logprob"
-
-
 def warm_start(flags: list[str]) -> str:
     """The checkpoint every run starts from: --model.path, or the tiny model's warm start."""
     import run
@@ -128,8 +125,7 @@ def diagnostics(runs: list[list[dict]]) -> dict:
         for part in (0, 1):
             values = []
             for records in runs:
-                # a step without such samples logs a gap of exactly 0 (update.reduce_stats: no count)
-                steps = [r for r in records if key in r and (r[key] or not key.startswith(GAP_PREFIX))]
+                steps = [r for r in records if key in r]  # a step without such samples logs none
                 quarter = max(len(steps) // 4, 1)
                 chosen = steps[:quarter] if part == 0 else steps[-quarter:]
                 values += [r[key] for r in chosen]

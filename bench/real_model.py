@@ -207,9 +207,7 @@ def algo_result(algo: str, seed: int, common: list[str], steps_n: int, out: str,
         "entropy_last": next((r["actor/entropy"] for r in reversed(steps) if "actor/entropy" in r), float("nan")),
         "updated_steps": sum(r.get("actor/grad_norm", 0.0) > 0 for r in steps),  # else every mini-batch skipped
         "tms_first": gaps[0] if gaps else float("nan"), "tms_mean": sum(gaps) / len(gaps) if gaps else float("nan"),
-        # a step without such samples logs exactly 0 (update.reduce_stats: no count): not a gap
-        "eos_gap": mean(steps, EOS_GAP), **{name: mean([r for r in steps if r.get(key)], key)
-                                            for name, key in DEMO_GAPS.items()},
+        "eos_gap": mean(steps, EOS_GAP), **{name: mean(steps, key) for name, key in DEMO_GAPS.items()},
         "train_success": mean(steps, "reward/success_rate") if any("reward/success_rate" in r for r in steps)
         else mean(steps, "reward/mean"),
         "final_rows": final_rows, "warnings": warnings,

@@ -23,7 +23,7 @@ from evaluate import context_entropies, paired_gain, stderr, success_stderr, tea
 from logger import DEMO_RIGHT, DEMO_WRONG, FLAT_TEACHER_METRIC, FLAT_TEACHER_NATS
 from policy import CausalLM, load_policy, lr_factor
 from rollout import reward_function
-from update import rank_micro_batches, rank_share, step_counts
+from update import add_stats, rank_micro_batches, rank_share, reduce_stats, step_counts
 from warm_start import reference_success
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -299,6 +299,16 @@ def test_shared_teacher_prefix_gives_the_same_gradients(tiny_dir, tokenizer, tea
         torch.testing.assert_close(shared[0][name], plain[0][name], rtol=1e-4, atol=1e-7, msg=name)
 
 
+def test_a_statistic_nothing_counted_towards_is_not_logged():
+    """(sum, count) statistics become means; one whose count is 0 (a teacher gap of right
+    answers in a step without one) is left out rather than logged as 0; maxima stay maxima."""
+    stats = {}
+    for part in ({"a": (3.0, 2.0), "gap": (0.0, 0.0), "ratio_max": 1.5}, {"a": (1.0, 2.0), "ratio_max": 4.0}):
+        add_stats(stats, part)
+    out = reduce_stats(stats, [0.5, 1.5], 1)
+    assert out == {"actor/loss": 1.0, "a": 1.0, "ratio_max": 4.0}
+
+
 def test_rank_shares_are_contiguous_and_cover_everything():
     items = list(range(11))
     shares = [rank_share(items, r, 3) for r in range(3)]
@@ -568,11 +578,11 @@ def test_a_teacher_that_lowers_right_answers_as_much_as_wrong_ones_is_warned(tmp
         logger.log(step, {DEMO_RIGHT: -0.15, DEMO_WRONG: -0.7})
     assert "WARNING" not in capsys.readouterr().err
     logger = run.Logger(cfg, 0)
-    # SmolLM2: steps 5 and 8 had no right sample shown a demonstration (logged 0): not data
-    smollm2 = [(-0.219, -0.159), (-0.235, -0.232), (-0.137, -0.172), (-0.015, -0.322), (0.0, -0.226),
-               (-0.219, -0.188), (-0.223, -0.168), (0.0, -0.149), (-0.134, -0.147)]
+    # SmolLM2: steps 5 and 8 had no right sample shown a demonstration (no value logged)
+    smollm2 = [(-0.219, -0.159), (-0.235, -0.232), (-0.137, -0.172), (-0.015, -0.322), (None, -0.226),
+               (-0.219, -0.188), (-0.223, -0.168), (None, -0.149), (-0.134, -0.147)]
     for step, (right, wrong) in enumerate(smollm2, start=1):
-        logger.log(step, {DEMO_RIGHT: right, DEMO_WRONG: wrong})
+        logger.log(step, {DEMO_WRONG: wrong} if right is None else {DEMO_RIGHT: right, DEMO_WRONG: wrong})
     logger.close()
     err = capsys.readouterr().err
     # steps 1-4 and 6 average -0.165 right, -0.215 wrong: the first window of five with data
