@@ -815,6 +815,7 @@ def pack_shared_prefix(seqs: list[list[int]], response_lens: list[int], pad_id: 
         keys.setdefault(row[-1], g)
     distinct = list(prompts)
     levels = []
+    level = lambda ids, mask, rows: (ids.to(device), mask.to(device), torch.tensor(rows, dtype=torch.long, device=device))
     if groups is not None:
         members = {}
         for i, p in enumerate(distinct):
@@ -824,12 +825,12 @@ def pack_shared_prefix(seqs: list[list[int]], response_lens: list[int], pad_id: 
         stems = {}
         parent = [stems.setdefault(p[:cut[keys[i]]], len(stems)) for i, p in enumerate(distinct)]
         stem_ids, stem_mask = pad([list(p) for p in stems], pad_id, min_width=1)
-        levels.append((stem_ids.to(device), stem_mask.to(device), torch.tensor(parent, dtype=torch.long, device=device)))
+        levels.append(level(stem_ids, stem_mask, parent))
         distinct_ids, distinct_mask = pad([list(p[cut[keys[i]]:]) for i, p in enumerate(distinct)], pad_id,
                                           min_width=1, left=False)
     else:
         distinct_ids, distinct_mask = pad([list(p) for p in distinct], pad_id, min_width=1)
-    levels.append((distinct_ids.to(device), distinct_mask.to(device), torch.tensor(row, dtype=torch.long, device=device)))
+    levels.append(level(distinct_ids, distinct_mask, row))
     packed = pack([s[len(s) - r - 1:] for s, r in zip(seqs, response_lens)], response_lens, pad_id, device)
     packed.prefix = levels
     return packed
