@@ -39,7 +39,7 @@ def evaluate(engine, tokenizer, rows, cfg: Config, before: list | None = None,
     per_row = row_success(rollouts, cfg.rollout.eval_k, cfg)
     metrics = {
         "eval/success_rate": success_rate(rollouts, cfg),
-        "eval/success_stderr": stderr(per_row),
+        "eval/success_stderr": stderr(per_row),  # the rows are the independent draws, not their k samples
         "eval/reward_mean": sum(r.reward for r in rollouts) / n,
         "eval/response_length": sum(len(r.response_ids) for r in rollouts) / n,
         "eval/truncated_frac": sum(r.truncated for r in rollouts) / n,
@@ -123,12 +123,6 @@ def success_rate(rollouts, cfg: Config) -> float:
 def row_success(rollouts, k: int, cfg: Config) -> list[float]:
     """Success of each row's k consecutive samples."""
     return [success_rate(rollouts[i:i + k], cfg) for i in range(0, len(rollouts), k)]
-
-
-def success_stderr(rollouts, k: int, cfg: Config) -> float:
-    """Standard error of avg@k success over rows: the rows are the independent draws (a row's
-    k samples are not), so it is the spread of per-row success over the square root of the rows."""
-    return stderr(row_success(rollouts, k, cfg))
 
 
 def stderr(values: list[float]) -> float:

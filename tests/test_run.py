@@ -19,7 +19,7 @@ from objectives import OBJECTIVES, Models
 from rollout import Sample
 from teacher import Teacher
 from config import TrainConfig
-from evaluate import context_entropies, paired_gain, stderr, success_stderr, teacher_gap, teacher_gap_warnings
+from evaluate import context_entropies, paired_gain, row_success, stderr, teacher_gap, teacher_gap_warnings
 from logger import DEMO_RIGHT, DEMO_WRONG, FLAT_TEACHER_METRIC, FLAT_TEACHER_NATS
 from policy import CausalLM, load_policy, lr_factor
 from rollout import reward_function
@@ -614,15 +614,17 @@ def test_lr_factor_warms_up_then_stays_or_decays_to_zero():
 
 
 def test_success_stderr_is_the_spread_of_per_row_success():
+    """eval/success_stderr: the rows are the independent draws (a row's k samples are not)."""
     cfg = run.parse_config([])
     rollout = lambda reward: objectives.Rollout(row={}, prompt_ids=[], response_ids=[], rollout_logprobs=[], text="",
                                          truncated=False, reward=reward)
+    success_stderr = lambda rollouts, k: stderr(row_success(rollouts, k, cfg))
     # three rows of k=2 samples: per-row success 1, 0.5, 0 -> mean 0.5, sample std 0.5, stderr 0.5 / sqrt(3)
     rollouts = [rollout(r) for r in (1.0, 1.0, 0.0, 1.0, 0.0, 0.0)]
-    assert success_stderr(rollouts, 2, cfg) == pytest.approx(0.5 / 3 ** 0.5)
+    assert success_stderr(rollouts, 2) == pytest.approx(0.5 / 3 ** 0.5)
     # the same six samples read as six rows of one: std sqrt(0.3), stderr sqrt(0.3 / 6)
-    assert success_stderr(rollouts, 1, cfg) == pytest.approx((0.3 / 6) ** 0.5)
-    assert success_stderr(rollouts[:2], 2, cfg) != success_stderr(rollouts[:2], 2, cfg)  # one row: nan
+    assert success_stderr(rollouts, 1) == pytest.approx((0.3 / 6) ** 0.5)
+    assert success_stderr(rollouts[:2], 2) != success_stderr(rollouts[:2], 2)  # one row: nan
 
 
 def test_paired_gain_is_the_mean_row_difference_with_its_own_standard_error():
