@@ -156,9 +156,7 @@ def response_logprobs(model, rollouts: list, pad_id: int, d: Dist, micro_batch: 
         for i in range(0, calls * micro_batch, micro_batch):
             part = mine[i:i + micro_batch]
             if not part:
-                # the same model calls as a real micro-batch (a shared prefix is a call of its own)
-                forward(model, pack(model, [[pad_id, pad_id]], [1], pad_id, d.device, shared_prefix=shared_prefix),
-                        lambda h, w: h.sum())
+                idle_forward(model, pad_id, d.device, lambda h, w: h.sum(), shared_prefix)
                 continue
             packed = pack(model, [rollouts[j].prompt_ids + rollouts[j].response_ids for j in part],
                           [len(rollouts[j].response_ids) for j in part], pad_id, d.device,
@@ -175,6 +173,14 @@ def response_logprobs(model, rollouts: list, pad_id: int, d: Dist, micro_batch: 
         for g in gathered:
             local.update(g)
     return [local[i] for i in range(len(rollouts))]
+
+
+def idle_forward(model, pad_id: int, device, head, shared_prefix: bool = False, grouped: bool = False):
+    """A forward of a rank with nothing to run, on a two-token dummy: under FSDP2 every model
+    call is a collective, so it makes the calls a real micro-batch of the same layout makes
+    (each shared-prefix level is a call of its own)."""
+    return forward(model, pack(model, [[pad_id, pad_id]], [1], pad_id, device, shared_prefix=shared_prefix,
+                               groups=[None] if grouped else None), head)
 
 
 def share_prompts(cfg) -> bool:
@@ -346,11 +352,12 @@ def teacher_hidden_states(cfg, models: Models, rollouts: list, pad_id: int, devi
     share = cfg.sdpo.share_teacher_prefix and not cfg.model.gradient_checkpointing  # HF drops the KV cache under it
 
     def run_model(model, part, head):
-        chosen = [used[i] for i in part]  # none: an idle rank's forward, the same model calls as a real one
-        return forward(model, pack(model, [r.teacher_ids for r in chosen] or [[pad_id, pad_id]],
-                                   [len(r.response_ids) for r in chosen] or [1], pad_id, device,
-                                   images=[r.row.get("images") for r in chosen], shared_prefix=share,
-                                   groups=[r.row["uid"] for r in chosen] or [None]), head)
+        if not part:
+            return idle_forward(model, pad_id, device, head, share, grouped=True)
+        chosen = [used[i] for i in part]
+        return forward(model, pack(model, [r.teacher_ids for r in chosen], [len(r.response_ids) for r in chosen],
+                                   pad_id, device, images=[r.row.get("images") for r in chosen], shared_prefix=share,
+                                   groups=[r.row["uid"] for r in chosen]), head)
     hidden = models.teacher.hidden(models.policy, run_model, len(used), cfg.sdpo.teacher_micro_batch, int(calls))
     parts = iter(hidden.split([len(r.response_ids) for r in used]) if used else [])
     return [next(parts) if r.sdpo_mask > 0 else None for r in rollouts]

@@ -10,7 +10,6 @@ import random
 import torch
 import torch.distributed as dist
 
-import data
 import objectives
 from config import Config
 from data import stream_seed
@@ -138,8 +137,7 @@ def idle_loss(cfg: Config, models: Models, pad_id: int, d: Dist):
     a teacher, through its forwards (collectives too)."""
     if models.teacher is not None and models.teacher.reads_policy:
         objectives.teacher_hidden_states(cfg, models, [], pad_id, d.device, d.world)
-    packed = data.pack([[pad_id, pad_id]], [1], pad_id, d.device)
-    return objectives.forward(models.policy, packed, lambda h, w: (h @ w.T).sum() * 0.0)
+    return objectives.idle_forward(models.policy, pad_id, d.device, lambda h, w: (h @ w.T).sum() * 0.0)
 
 
 def micro_batch_units(rollouts: list, objective) -> list[list[int]]:
