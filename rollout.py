@@ -10,6 +10,7 @@ Sample's prompt_ids are the engine's expanded ids (data.ImagePrompts).
 import contextlib
 import functools
 import json
+import logging
 import os
 import shutil
 import sys
@@ -38,6 +39,16 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 
 # vLLM general plugins found on this path run in every process vLLM starts (vllm_plugins/).
 PLUGIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_plugins")
+VLLM_LOGGING = os.path.join(PLUGIN_DIR, "logging.json")
+USER_CONFIGURED_VLLM_LOGGING = bool({"VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING"} & set(os.environ)) or \
+    os.environ.get("VLLM_LOGGING_CONFIG_PATH", VLLM_LOGGING) != VLLM_LOGGING
+if not USER_CONFIGURED_VLLM_LOGGING:
+    # vLLM configures its logging only once an engine starts, so a warning at its import goes
+    # through Python's last-resort handler: "Triton is installed, but doesn't include CPU
+    # backend", about kernels a CPU engine does not use, once in the trainer and once in each
+    # engine process. Here, because those processes import the main script, and with it this
+    # module, before vLLM.
+    logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
 MAX_IMAGES_PER_PROMPT = 4
 
 
@@ -529,8 +540,8 @@ def _quiet_vllm_logging():
     which gives it 2 s on purpose; the logger of the second also holds start-up notes about
     settings vLLM overrides itself). Only
     where the user has not configured vLLM's logging (VLLM_LOGGING_LEVEL=INFO)."""
-    if not {"VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING"} & set(os.environ):
-        os.environ["VLLM_LOGGING_CONFIG_PATH"] = os.path.join(PLUGIN_DIR, "logging.json")
+    if not USER_CONFIGURED_VLLM_LOGGING:
+        os.environ["VLLM_LOGGING_CONFIG_PATH"] = VLLM_LOGGING
 
 
 def _quiet_engine_processes() -> dict:
