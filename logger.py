@@ -104,7 +104,8 @@ class Logger:
 
     def warn(self, key: str, step: int, message: str):
         self.warned.add(key)
-        print(f"WARNING step {step}: {message} (Shown once.)", file=sys.stderr)
+        from tqdm import tqdm
+        tqdm.write(f"WARNING step {step}: {message} (Shown once.)", file=sys.stderr)  # above the bar, not in it
 
     def log_samples(self, step: int, rollouts: list):
         """The first sample of each of the first --log.samples_per_step prompts of a step."""

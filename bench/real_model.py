@@ -40,8 +40,8 @@ sizes, sampled every 2 s) and the warnings the run printed. Prints a line per fi
 
 (the last line: means over the seeds run; the SE then is the per-seed SEs combined,
 sqrt(sum se^2) / seeds), and the issue's targets checked (GRPO's gain > 2 SE; the best SDPO
-form >= GRPO's gain - 1 SE; no objective losing > 2 SE). The runs' own output is in
-<out>/<algo>[-seed<k>]/stdout.log.
+form >= GRPO's gain - 1 SE; no objective losing > 2 SE). Each run's output (status lines,
+progress bar, warnings) shows as a plain run's does and is kept in <out>/<algo>[-seed<k>]/stdout.log.
 
 Defaults, and why (bench/results/real_model.md):
 - 256 tokens (the preset's): 0.75% of the untrained model's held-out answers truncated, so a
@@ -113,13 +113,15 @@ def tree_pss_bytes(pid: int) -> int:
 
 
 def run_monitored(flags: list[str], out_dir: str) -> tuple[list[dict], float, float]:
-    """Run run.py with flags; (metrics records, wall seconds, peak tree PSS in GB)."""
+    """Run run.py with flags; (metrics records, wall seconds, peak tree PSS in GB). The run's
+    output (its status lines, progress bar and warnings) shows on this console as a plain
+    run's does, and goes to <out_dir>/stdout.log."""
     os.makedirs(out_dir, exist_ok=True)
     cmd = [sys.executable, os.path.join(ROOT, "run.py")] + flags + [
-        f"--log.out_dir={out_dir}", "--log.overwrite=True", "--log.wandb_mode=disabled", "--log.progress=False"]
+        f"--log.out_dir={out_dir}", "--log.overwrite=True", "--log.wandb_mode=disabled"]
     peak, t0 = [0], time.time()
-    with open(os.path.join(out_dir, "stdout.log"), "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    with open(os.path.join(out_dir, "stdout.log"), "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
         def sample():
             while proc.poll() is None:
@@ -128,6 +130,10 @@ def run_monitored(flags: list[str], out_dir: str) -> tuple[list[dict], float, fl
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
+        for chunk in iter(lambda: os.read(proc.stdout.fileno(), 4096), b""):
+            log.write(chunk)
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
         proc.wait()
         sampler.join()
     if proc.returncode:
@@ -185,8 +191,8 @@ def algo_result(algo: str, seed: int, common: list[str], steps_n: int, out: str,
     if os.path.exists(os.path.join(run_dir, "eval_rows.jsonl")):
         with open(os.path.join(run_dir, "eval_rows.jsonl")) as f:
             final_rows = [json.loads(line) for line in f][-1]["success"]
-    with open(os.path.join(run_dir, "stdout.log"), errors="replace") as f:
-        warnings = [line.strip() for line in f if line.startswith("WARNING step")]
+    with open(os.path.join(run_dir, "stdout.log"), errors="replace") as f:  # the bar redraws with \r
+        warnings = [line.strip() for line in f.read().replace("\r", "\n").splitlines() if line.startswith("WARNING step")]
     steps = [r for r in records if r["step"] > 0 and "time/step_s" in r]
     evals = [r for r in records if "eval/success_rate" in r]
     first_eval, last_eval = evals[0], evals[-1]
@@ -216,10 +222,11 @@ def algo_result(algo: str, seed: int, common: list[str], steps_n: int, out: str,
     print(f"[{time.strftime('%H:%M:%S')}] {name}: {res['before']:.3f} -> {res['after']:.3f}, "
           f"gain {100 * res['gain']:+.1f} ± {100 * res['gain_se']:.1f} points, truncated "
           f"{res['trunc_first']:.3f} -> {res['trunc_last']:.3f}, entropy {res['entropy_first']:.2f} -> "
-          f"{res['entropy_last']:.2f}, teacher-student entropy {res['tms_mean']:+.3f}, at the EOS "
-          f"{res['eos_gap']:+.3f} nats, shown a demonstration {res['demo_right']:+.3f} right / "
-          f"{res['demo_wrong']:+.3f} wrong, "
-          f"train success {res['train_success']:.3f}, {res['updated_steps']} of {len(steps)} steps updated, "
+          f"{res['entropy_last']:.2f}, "
+          + ("" if math.isnan(res["tms_mean"]) else  # an objective without a teacher
+             f"teacher-student entropy {res['tms_mean']:+.3f}, at the EOS {res['eos_gap']:+.3f} nats, shown a "
+             f"demonstration {res['demo_right']:+.3f} right / {res['demo_wrong']:+.3f} wrong, ")
+          + f"train success {res['train_success']:.3f}, {res['updated_steps']} of {len(steps)} steps updated, "
           f"step {split['time/step_s']:.1f}s, wall {seconds:.0f}s, peak {peak:.2f} GB", flush=True)
     return res
 
@@ -232,6 +239,12 @@ def row(r: dict) -> str:
             + f" {r['other_s']:6.0f} {r['wall_s']:6.0f} {r['peak_gb']:6.2f}")
 
 
+# the teacher's figures in a RESULT line (left out for an objective without a teacher)
+TEACHER_FIELDS = [("tms_first", "teacher_minus_student_entropy_first"), ("tms_mean", "teacher_minus_student_entropy_mean"),
+                  ("eos_gap", "teacher_minus_student_logprob_eos")] + \
+                 [(name, f"teacher_minus_student_logprob_{name}") for name in DEMO_GAPS]
+
+
 def result_line(r: dict) -> str:
     return (f"RESULT algo={r['algo']} seed={r['seed']} steps={r['steps']} success_before={r['before']:.3f} "
             f"success_after={r['after']:.3f} gain={r['gain']:.4f} gain_se={r['gain_se']:.4f} "
@@ -241,9 +254,7 @@ def result_line(r: dict) -> str:
             f"train_truncated_first={r['train_trunc_first']:.3f} train_truncated_last={r['train_trunc_last']:.3f} "
             f"train_success_mean={r['train_success']:.3f} "
             f"entropy_first={r['entropy_first']:.3f} entropy_last={r['entropy_last']:.3f} "
-            f"teacher_minus_student_entropy_first={r['tms_first']:.3f} teacher_minus_student_entropy_mean={r['tms_mean']:.3f} "
-            f"teacher_minus_student_logprob_eos={r['eos_gap']:.3f} "
-            + "".join(f"teacher_minus_student_logprob_{name}={r[name]:.3f} " for name in DEMO_GAPS)
+            + "".join(f"{key}={r[field]:.3f} " for field, key in TEACHER_FIELDS if not math.isnan(r[field]))
             + " ".join(f"{k.split('/')[-1]}={r['split'][k]:.2f}" for k in SPLIT)
             + f" other_s={r['other_s']:.0f} wall_s={r['wall_s']:.0f} peak_tree_gb={r['peak_gb']:.2f}")
 
