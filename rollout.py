@@ -213,8 +213,10 @@ class Engine:
             gpu = engine_gpu if engine_gpu is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
+        bound = None  # the cores the engine's processes keep to, on CPU
         if not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # the user's wins
-            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpu_cores or sorted(os.sched_getaffinity(0))))
+            bound = cpu_cores or sorted(os.sched_getaffinity(0))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, bound))
         env.update(_quiet_engine_processes())
         self.model_dir = model_dir
         self.own_process = own_process
@@ -248,6 +250,8 @@ class Engine:
         # processes outlive their parent).
         self.processes = _processes_since(before) if own_process else {}
         self._reaper = _start_reaper([p for p, _ in self.processes.values()]) if self.processes else None
+        for pid in self.processes if bound else ():
+            _pin_threads(pid, bound)
 
     def _call(self, what: str, fn, *args, **kwargs):
         """fn(*args, **kwargs) into vLLM, its failures as EngineError. An own-process engine
@@ -473,6 +477,18 @@ def _start_reaper(processes: list):
 def _descendants() -> set[int]:
     import psutil
     return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _pin_threads(pid: int, cores: list[int]):
+    """Every thread of process pid that may run outside cores onto them (its later threads
+    inherit it). vLLM binds its CPU worker's OpenMP threads only, one to a core, which stays:
+    the engine core's scheduler and the other threads ran on any core, so an engine generating
+    beside the trainer (--train.off_policy_steps 1) took more than its share (docs/async.md)."""
+    with contextlib.suppress(OSError):  # a process or thread that has ended meanwhile
+        for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+            with contextlib.suppress(OSError):
+                if not os.sched_getaffinity(tid) <= set(cores):
+                    os.sched_setaffinity(tid, cores)
 
 
 def _processes_since(before: set[int]) -> dict:

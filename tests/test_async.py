@@ -26,6 +26,28 @@ from test_run import CPU, ONE_PROCESS, ROOT, SMALL, GradRecorder, NoSchedule, _m
 from update import step_counts
 
 # ----------------------------------------------------------------------------------------
+# the cores of a CPU machine: the engine and the trainer take turns, or share them
+
+
+def test_cpu_split_gives_each_side_every_core_in_turn_and_halves_them_side_by_side(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    for name in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    split = lambda *flags: rollout.cpu_split(run.parse_config(list(flags)))
+    ahead = "--train.off_policy_steps=1"
+    # (engine cores, trainer threads a rank while the engine generates beside it, and alone)
+    assert split() == ([0, 1, 2, 3], 4, 4)
+    assert split(ahead) == ([0, 1], 2, 4)
+    assert split(ahead, "--rollout.cpu_threads=1") == ([0], 3, 4)
+    assert split(ahead, "--train.cpu_threads=1") == ([0, 1], 1, 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on the node divide the trainer's share
+    assert split() == ([0, 1, 2, 3], 2, 2)
+    assert split(ahead) == ([0, 1], 1, 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's thread count is kept
+    assert split(ahead)[1:] == (torch.get_num_threads(),) * 2
+
+
+# ----------------------------------------------------------------------------------------
 # one optimizer step on a stale batch
 
 

@@ -355,6 +355,9 @@ class TestInProcess:
 # engine core in its own process (what torchrun and the separate placement use)
 
 
+ENGINE_CORE = min(os.sched_getaffinity(0))  # the own-process engine below keeps to it, as beside an async trainer
+
+
 class TestOwnProcess:
     """On the tiny model itself."""
 
@@ -364,7 +367,8 @@ class TestOwnProcess:
 
     @pytest.fixture(scope="class")
     def engine(self, tiny_dir):
-        engine = rollout.Engine(tiny_dir, dtype="float32", own_process=True, kv_cache_tokens=KV_TOKENS)
+        engine = rollout.Engine(tiny_dir, dtype="float32", own_process=True, kv_cache_tokens=KV_TOKENS,
+                                cpu_cores=[ENGINE_CORE])
         yield engine
         sync_dir = engine._sync_dir
         engine.close()
@@ -381,6 +385,15 @@ class TestOwnProcess:
                 assert max_diff(s.logprobs, trainer_logprobs(hf, s.prompt_ids, s.response_ids, 0.7)) < TOL
         again = engine.generate(prompts[:2], n=3, temperature=0.7, max_tokens=16, seed=4)
         assert [[s.response_ids for s in o] for o in again] == [[s.response_ids for s in o] for o in out]
+
+    @pytest.mark.skipif("VLLM_CPU_OMP_THREADS_BIND" in os.environ, reason="the user's binding wins")
+    def test_every_thread_of_the_engine_keeps_to_its_cores(self, engine, prompts):
+        # vLLM binds its worker's OpenMP threads alone; its scheduler and other threads would
+        # otherwise run on the trainer's cores (rollout._pin_threads)
+        engine.generate(prompts[:1], n=1, temperature=1.0, max_tokens=4, seed=0)  # threads made since keep to it too
+        threads = [int(t) for pid in engine.processes for t in os.listdir(f"/proc/{pid}/task")]
+        assert len(engine.processes) >= 1 and len(threads) > len(engine.processes)
+        assert {t: os.sched_getaffinity(t) for t in threads} == {t: {ENGINE_CORE} for t in threads}
 
     def test_weight_sync(self, engine, hf, probe, prompts, long_prompt, tokenizer, restore):
         restore.append(engine)
