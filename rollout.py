@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 
 import torch
 import torch.distributed as dist
@@ -235,6 +236,9 @@ class Engine:
         t0 = time.perf_counter()
         before = _descendants() if own_process else set()
         with _patched_env(env, TORCHRUN_VARS if own_process else ()):
+            # this process's resource tracker, if it is not running yet, starts with the quiet
+            # environment too: at exit it would warn of vLLM's shared-memory buffer
+            resource_tracker.ensure_running()
             self.llm = LLM(
                 model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
@@ -561,13 +565,16 @@ def _quiet_vllm_logging():
 
 
 def _quiet_engine_processes() -> dict:
-    """The environment of the engine's processes, less two start-up warnings that mean nothing to
-    a user: torch's deprecation of `reduce_op` as vLLM's Triton dispatcher scans every module,
-    and the CPU worker's C++ note that it binds memory to its NUMA node (the binding it is
-    given). Where the user has not set PYTHONWARNINGS or TORCH_CPP_LOG_LEVEL themselves."""
+    """The environment of the engine's processes, less three warnings that mean nothing to a
+    user: torch's deprecation of `reduce_op` as vLLM's Triton dispatcher scans every module;
+    the CPU worker's C++ note that it binds memory to its NUMA node (the binding it is given);
+    and, at exit, the resource tracker's "1 leaked shared_memory objects", vLLM's message-queue
+    buffer, which the tracker then removes. Where the user has not set PYTHONWARNINGS or
+    TORCH_CPP_LOG_LEVEL themselves."""
     env = {}
     if "PYTHONWARNINGS" not in os.environ:
-        env["PYTHONWARNINGS"] = "ignore::FutureWarning:vllm.triton_utils.dispatcher"
+        env["PYTHONWARNINGS"] = ("ignore::FutureWarning:vllm.triton_utils.dispatcher,"
+                                 "ignore::UserWarning:multiprocessing.resource_tracker")
     if "TORCH_CPP_LOG_LEVEL" not in os.environ and not torch.cuda.is_available():
         env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     return env
