@@ -192,6 +192,10 @@ class TrainConfig:
     steps: int = 40
     prompts_per_step: int = 16
     mini_batches: int = 4  # optimizer steps per rollout batch (paper Table 12: 1 without feedback, 32 with rich)
+    # Mini-batches split the step's prompts, each with all its samples (verl's, and the paper's
+    # "32 optimizer steps, mini-batch 1" of Table 12: one question's group a step); True: they
+    # split single samples, shuffled across prompts (this project's layout before 2026-11-27)
+    shuffle_samples: bool = False
     micro_batch: int = 32  # sequences per forward/backward on each rank
     # > 0: each rank's micro-batches are filled in order of length up to this many padded
     # tokens (sequences x the longest), micro_batch sequences at most: less padding when
@@ -324,8 +328,9 @@ def check_config(cfg: Config):
             raise ValueError(f"--{name}={value}: must be > 0")
     if not 0 <= c.sdpo.teacher_rate <= 1:
         raise ValueError(f"--sdpo.teacher_rate={c.sdpo.teacher_rate}: a rate, 0 to 1")
-    objective = objectives.OBJECTIVES[c.algo.name]  # a unit of the split: a sample, or a prompt's samples together
-    units = c.train.prompts_per_step * (1 if objective.keep_prompts_together or objective.references else c.rollout.n)
+    objective = objectives.OBJECTIVES[c.algo.name]  # a unit of the split: a prompt's samples, or a sample
+    single = c.train.shuffle_samples and not (objective.keep_prompts_together or objective.references)
+    units = c.train.prompts_per_step * (c.rollout.n if single else 1)
     if c.train.mini_batches > units:
         raise ValueError(f"--train.mini_batches={c.train.mini_batches}: more optimizer steps than the {units} "
                          f"{'prompts' if units == c.train.prompts_per_step else 'samples'} of a step")

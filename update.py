@@ -28,11 +28,12 @@ def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step
     models = trainer.models
     models.policy.train()
     before = objective.before_update(rollouts, models, cfg, pad_id, d)
-    units = micro_batch_units(rollouts, objective)
+    units = mini_batch_units(rollouts, objective, cfg.train.shuffle_samples)
     random.Random(stream_seed("shuffle", cfg.train.seed, step)).shuffle(units)
     # Each optimizer step: its global counts and this rank's micro-batches (None: nothing to learn)
     lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
-    plan = [(counts, rank_micro_batches(mini_batch, cfg.train.micro_batch, d, lengths, cfg.train.micro_batch_tokens)
+    plan = [(counts, rank_micro_batches(micro_batch_units(mini_batch, objective), cfg.train.micro_batch, d, lengths,
+                                        cfg.train.micro_batch_tokens)
              if counts["tokens"] and any(objective.moves(rollouts[i]) for unit in mini_batch for i in unit) else None)
             for mini_batch in split_evenly(units, cfg.train.mini_batches)
             for counts in [step_counts([rollouts[i] for unit in mini_batch for i in unit], objective)]]
@@ -140,13 +141,14 @@ def idle_loss(cfg: Config, models: Models, pad_id: int, d: Dist):
     return objectives.idle_forward(models.policy, pad_id, d.device, lambda h, w: (h @ w.T).sum() * 0.0)
 
 
-def micro_batch_units(rollouts: list, objective) -> list[list[int]]:
-    """Lists of rollout indices that must share a micro-batch: each sample alone, or a prompt's
-    samples together (objectives that compare siblings, e.g. preference pairs). With
-    counted_only, uncounted rollouts are left out; a unit may then be empty, so that the
-    mini-batches still split the step's prompts the same way whatever their counts."""
+def mini_batch_units(rollouts: list, objective, shuffle_samples: bool = False) -> list[list[int]]:
+    """Lists of rollout indices that go to one mini-batch (optimizer step) together: a prompt's
+    samples (verl's mini-batches, and the paper's, count prompts), or with shuffle_samples each
+    sample alone unless the objective compares siblings (keep_prompts_together, e.g. preference
+    pairs). With counted_only, uncounted rollouts are left out; a unit may then be empty, so
+    that the mini-batches still split the step's prompts the same way whatever their counts."""
     keep = (lambda i: objective.counted(rollouts[i])) if objective.counted_only else (lambda i: True)
-    if not objective.keep_prompts_together:
+    if shuffle_samples and not objective.keep_prompts_together:
         return [[i] if keep(i) else [] for i in range(len(rollouts))]
     groups = {}
     for i, r in enumerate(rollouts):
@@ -154,6 +156,13 @@ def micro_batch_units(rollouts: list, objective) -> list[list[int]]:
         if keep(i):
             groups[r.row["uid"]].append(i)
     return list(groups.values())
+
+
+def micro_batch_units(mini_batch: list[list[int]], objective) -> list[list[int]]:
+    """A mini-batch's units for its micro-batches: a prompt's samples stay together where the
+    objective compares them (keep_prompts_together), else each sample is a unit of its own, so
+    that --train.micro_batch bounds a forward whatever --rollout.n is."""
+    return mini_batch if objective.keep_prompts_together else [[i] for unit in mini_batch for i in unit]
 
 
 def pack_units(units: list[list[int]], size: int, lengths: list | None = None, token_budget: int = 0) -> list[list[int]]:
@@ -230,7 +239,8 @@ def no_sync_unless(policy, world, last: bool):
 
 def split_evenly(items: list, parts: int) -> list[list]:
     if parts < 1 or parts > len(items):
-        raise ValueError(f"--train.mini_batches={parts} must be between 1 and the {len(items)} rollouts of a step")
+        raise ValueError(f"--train.mini_batches={parts} must be between 1 and the {len(items)} prompts of a step "
+                         "(samples with --train.shuffle_samples)")
     size, extra = divmod(len(items), parts)
     out, start = [], 0
     for p in range(parts):

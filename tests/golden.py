@@ -31,8 +31,13 @@ CASES = [
     ("gspo", ["--algo=gspo"]),
     ("hybrid", ["--algo=hybrid"]),
     ("sft", ["--algo=sft"]),
+    # mini-batches of whole prompts (the default since 2026-11-27; pinned when it became so)
+    ("sdpo-prompt-mini-batches", ["--algo=sdpo", "--train.shuffle_samples=False"]),
+    ("grpo-prompt-mini-batches", ["--algo=grpo", "--train.shuffle_samples=False"]),
 ]
-COMMON = ["--train.mini_batches=2", "--train.micro_batch=4", "--sdpo.topk=8", "--sdpo.chunk_size=7"]
+# The cases before the last two were pinned with mini-batches of single shuffled samples.
+COMMON = ["--train.mini_batches=2", "--train.micro_batch=4", "--sdpo.topk=8", "--sdpo.chunk_size=7",
+          "--train.shuffle_samples=True"]
 
 
 def fingerprint(grads: dict) -> dict:
@@ -49,7 +54,7 @@ def record(step_fn) -> dict:
     """step_fn(flags) -> (list of per-optimizer-step gradient dicts, metrics dict)."""
     results = {}
     for name, flags in CASES:
-        grads, metrics = step_fn(flags + COMMON)
+        grads, metrics = step_fn(COMMON + flags)  # a case's own flags win
         results[name] = {"grads": [fingerprint(g) for g in grads],
                          "metrics": {k: v for k, v in sorted(metrics.items())
                                      if isinstance(v, (int, float)) and not k.startswith("time/")}}

@@ -17,7 +17,7 @@ from objectives import OBJECTIVES, Models, Rollout, preference_pairs, prepare_pa
 from teacher import Reference
 from test_run import GradRecorder, NoSchedule, ONE_PROCESS, ROOT, SMALL, _free_port, _metrics, _policy, _rollouts, _run
 from policy import CausalLM
-from update import micro_batch_units, step_counts
+from update import mini_batch_units, step_counts
 
 DPO = OBJECTIVES["dpo"]
 
@@ -71,7 +71,7 @@ def test_prepare_marks_pairs_and_a_prompt_without_a_pair_contributes_nothing(tok
     assert [r.preferred_over for r in rollouts[:4]] == [[1, 2], [], [], [1, 2]]
     assert [r.sample_index for r in rollouts] == [0, 1, 2, 3] * 3
     assert not any(r.paired for r in rollouts[4:8])
-    units = micro_batch_units(rollouts, DPO)
+    units = mini_batch_units(rollouts, DPO)
     assert units == [[0, 1, 2, 3], [], [8, 9, 10, 11]]  # one unit per prompt, the tied one empty
     counts = step_counts([rollouts[i] for unit in units for i in unit], DPO)
     assert counts["pairs"] == 9 and counts["sequences"] == 8
@@ -96,7 +96,7 @@ def test_spin_chooses_the_reference_ending_with_the_engines_eos_over_every_sampl
     assert references[0].preferred_over == [0, 1, 2]
     assert references[1].preferred_over == [0, 2]  # sample 1 is the reference itself: a tie
     assert metrics == {"dpo/pairs": 5, "dpo/ties_skipped": 1, "dpo/prompts_with_pair": 1.0}
-    units = micro_batch_units(rollouts, DPO)
+    units = mini_batch_units(rollouts, DPO)
     assert units == [[0, 1, 2, 6], [3, 5, 7]]
 
 

@@ -12,11 +12,11 @@ from golden import CASES, COMMON, PATH, fingerprint
 from objectives import OBJECTIVES, Models
 from teacher import Teacher
 from test_run import CPU, GradRecorder, NoSchedule, ONE_PROCESS, _policy, _rollouts
-from update import micro_batch_units, pack_units
+from update import micro_batch_units, mini_batch_units, pack_units
 
 
-def new_loop_step(flags):
-    """The same fixed batch as golden.old_loop_step, through the objectives table."""
+def new_loop_step(flags, rollouts=None):
+    """The same fixed batch as golden.old_loop_step (or rollouts), through the objectives table."""
     tiny = data.tiny_model_dir()
     tokenizer = run.load_tokenizer(tiny)
     cfg = run.parse_config(flags)
@@ -27,7 +27,7 @@ def new_loop_step(flags):
     recorder = GradRecorder(policy)
     if objective.references:
         rollouts = run.sft_rollouts(tokenizer, data.task_rows("strops", "train", 6, seed=1), cfg, 0)
-    else:
+    elif rollouts is None:
         rollouts = _rollouts(tokenizer, cfg.algo.name)
     trainer = run.Trainer(Models(policy, teacher), recorder, NoSchedule())
     metrics, _ = run.update_policy(cfg, objective, trainer, rollouts, 0, tokenizer.pad_token_id, ONE_PROCESS)
@@ -40,7 +40,7 @@ with open(PATH) as f:
 
 @pytest.mark.parametrize("name,flags", CASES, ids=[c[0] for c in CASES])
 def test_objective_gives_the_pinned_gradients_and_metrics(name, flags):
-    grads, metrics = new_loop_step(flags + COMMON)
+    grads, metrics = new_loop_step(COMMON + flags)
     pinned = GOLDEN[name]
     assert len(grads) == len(pinned["grads"])
     for got, want in zip(grads, pinned["grads"]):
@@ -80,14 +80,41 @@ def test_units_are_never_split_across_micro_batches():
     assert pack_units([[0], [1], [2]], 2, lengths=[5, 5, 5], token_budget=100) == [[0, 1], [2]]
 
 
-def test_prompts_stay_together_when_the_objective_asks(tokenizer):
+def test_mini_batches_split_prompts_and_micro_batches_split_samples_unless_the_objective_pairs_them(tokenizer):
     import dataclasses
     rollouts = _rollouts(tokenizer, "grpo", n_prompts=3, n=4)
-    alone = micro_batch_units(rollouts, OBJECTIVES["grpo"])
-    assert alone == [[i] for i in range(12)]
-    together = micro_batch_units(rollouts, dataclasses.replace(OBJECTIVES["grpo"], keep_prompts_together=True))
-    assert together == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
-    assert all(len({rollouts[i].row["uid"] for i in unit}) == 1 for unit in together)
+    grpo, paired = OBJECTIVES["grpo"], dataclasses.replace(OBJECTIVES["grpo"], keep_prompts_together=True)
+    groups = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert mini_batch_units(rollouts, grpo) == groups  # the paper's mini-batches count prompts
+    assert all(len({rollouts[i].row["uid"] for i in unit}) == 1 for unit in groups)
+    assert mini_batch_units(rollouts, grpo, shuffle_samples=True) == [[i] for i in range(12)]
+    assert mini_batch_units(rollouts, paired, shuffle_samples=True) == groups
+    # within a mini-batch, a micro-batch may cut a group (--train.micro_batch bounds a forward)
+    assert micro_batch_units(groups[:2], grpo) == [[i] for i in range(8)]
+    assert micro_batch_units(groups[:2], paired) == groups[:2]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "sdpo"])
+def test_a_mini_batch_of_whole_prompts_is_an_update_on_those_prompts_alone(algo, tokenizer):
+    """The paper's layout (Table 12, "32 optimizer steps, mini-batch 1"): each optimizer step's
+    gradient is what an update on its prompts' samples alone gives, each prompt in one step.
+    A micro-batch of 3 cuts every group of 4, so the step's counts must hold them together."""
+    import copy
+    rollouts = _rollouts(tokenizer, algo)
+    flags = [f"--algo={algo}", "--train.micro_batch=3", "--sdpo.topk=8", "--sdpo.chunk_size=7"]
+    steps, _ = new_loop_step(flags + ["--train.mini_batches=3"], copy.deepcopy(rollouts))
+    uids = list(dict.fromkeys(r.row["uid"] for r in rollouts))
+    alone = [new_loop_step(flags + ["--train.mini_batches=1"], copy.deepcopy([r for r in rollouts if r.row["uid"] == u]))[0]
+             for u in uids]
+    assert len(steps) == 3 and all(len(a) == 1 for a in alone)
+
+    def distance(a, b):  # the largest difference, relative to the gradient's norm
+        return max(float((a[n] - b[n]).abs().max() / b[n].norm().clamp_min(1e-12)) for n in b)
+    matched = [min(range(3), key=lambda k: distance(step, alone[k][0])) for step in steps]
+    assert sorted(matched) == [0, 1, 2]
+    assert max(distance(step, alone[k][0]) for step, k in zip(steps, matched)) < 1e-5
+    # and no two prompts' gradients alike, or the match above proves nothing
+    assert min(distance(alone[i][0], alone[j][0]) for i in range(3) for j in range(3) if i != j) > 1e-2
 
 
 def _sdpo_update(flags, per_micro_batch: bool, monkeypatch):

@@ -1152,13 +1152,15 @@ def test_every_recipe_sets_known_flags_only(tmp_path, monkeypatch):
     ("--rollout.max_tokens=0", "--rollout.max_tokens=0: must be at least 1"),
     ("--rollout.temperature=-1", "--rollout.temperature=-1.0: must be > 0"),
     ("--data.reward=nosuch", "unknown reward function 'nosuch'"),
-    ("--train.mini_batches=200", "--train.mini_batches=200: more optimizer steps than the 128 samples"),
+    ("--train.mini_batches=200", "--train.mini_batches=200: more optimizer steps than the 16 prompts"),
+    ("--train.mini_batches=200 --train.shuffle_samples=True",
+     "--train.mini_batches=200: more optimizer steps than the 128 samples"),
     ("--sdpo.teacher_rate=1.5", "--sdpo.teacher_rate=1.5: a rate"),
 ])
 def test_a_bad_flag_fails_at_parsing_naming_it(flag, message):
     """Each of these failed only after the engine's start (48-68 s), or never (steps -5: "done")."""
     with pytest.raises(ValueError, match=re.escape(message)):
-        run.parse_config([flag])
+        run.parse_config(flag.split())
 
 
 def test_a_model_path_that_is_not_a_model_fails_at_parsing(tmp_path):
