@@ -187,9 +187,9 @@ def share_prompts(cfg) -> bool:
     """Whether a forward of the policy or reference runs a prompt that several of its
     rollouts share once (--train.share_prompt_prefix): the old and reference log-probs, and
     an unsharded policy's gradient forward, whose prompt KV cache then takes the gradient of
-    every sequence that reads it (the same gradient to float32 rounding; a micro-batch of a
-    shuffled mini-batch holds ~2 samples of a prompt: forward and backward 1.7x faster on
-    the default job). HF drops the KV cache under gradient checkpointing."""
+    every sequence that reads it (the same gradient to float32 rounding; a mini-batch holds
+    every sample of its prompts: on the default job the gradient forward runs 1,865 padded
+    tokens a step, against 4,923 with --train.shuffle_samples). HF drops the KV cache under gradient checkpointing."""
     return cfg.train.share_prompt_prefix and not cfg.model.gradient_checkpointing
 
 

@@ -78,10 +78,11 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             t_step = time.perf_counter()
             # 1-4. sample prompts; generate, score, write what the objective needs (advantages, teacher
             # contexts). With --train.off_policy_steps 1 this batch was generated during the last
-            # update, and the engine starts on the next one now
+            # update, and the engine starts on the next one now (on a CPU with an SDPO teacher:
+            # once the teacher's forward is done, Batches.generate_next)
             rollouts, metrics = batches.take(step)
             # 5-7. update the policy (mini-batches of micro-batches), the teacher; sync the engine, with proof
-            learned = learn(cfg, objective, trainer, engine, tokenizer, rollouts, step, d)
+            learned = learn(cfg, objective, trainer, engine, tokenizer, rollouts, step, d, batches.generate_next)
             metrics["time/wait_rollout_s"] += learned.pop("time/wait_rollout_s", 0.0)  # generating ahead: at the sync
             metrics.update(learned)
             metrics.update(step_time(rollouts, t_step))
@@ -140,6 +141,11 @@ class Batches:
         # the next batch, being generated: a callable that returns it on rank 0 (waiting for the
         # background job), or ignored on the other ranks; None: nothing ahead
         self.ahead = ahead
+        self.next_step = None  # the step whose batch generate_next starts; None: started, or none
+        # On a CPU the engine generates on cores the teacher's forward would use, and that
+        # forward gains the most from them: it runs first, then the generation (docs/async.md)
+        self.after_teacher = (self.generates_ahead and d.device.type == "cpu" and models is not None
+                              and models.teacher is not None and not models.teacher.reads_policy)
 
     def take(self, step: int):
         """Batch `step` (rollouts on every rank, and its metrics); starts the next one ahead."""
@@ -148,17 +154,25 @@ class Batches:
             rollouts, metrics = self.collect(step, self.d)
         else:
             rollouts, metrics = rank0_call(self.d, self.ahead)
-        self.ahead = None
-        if self.generates_ahead and step + 1 < self.cfg.train.steps:
-            # rank 0 alone (world 1): the other ranks get the batch when it is taken
-            self.ahead = (self.engine.in_background(lambda: self.collect(step + 1, dataclasses.replace(self.d, world=1)),
-                                                    name=f"generation of batch {step + 1}").result
-                          if self.d.rank == 0 else lambda: None)
+        self.ahead, self.next_step = None, step + 1
+        if not self.after_teacher:
+            self.generate_next()
         metrics["time/wait_rollout_s"] = time.perf_counter() - t0
         generated = [r for r in rollouts if r.generated]  # a reference answer (SFT, SPIN) has no weights to be stale
         if generated:
             metrics["async/staleness"] = sum(step - r.policy_version for r in generated) / len(generated)
         return rollouts, metrics
+
+    def generate_next(self):
+        """Start generating the batch after the one taken last, once, when this run generates
+        ahead (called by take, or by the update once the teacher's forward is done). A batch
+        never started is generated when it is taken."""
+        step, self.next_step = self.next_step, None
+        if self.generates_ahead and step is not None and step < self.cfg.train.steps:
+            # rank 0 alone (world 1): the other ranks get the batch when it is taken
+            self.ahead = (self.engine.in_background(lambda: self.collect(step, dataclasses.replace(self.d, world=1)),
+                                                    name=f"generation of batch {step}").result
+                          if self.d.rank == 0 else lambda: None)
 
     def collect(self, step: int, d: Dist):
         rows = batch_rows(self.train_rows, step, self.cfg.train.prompts_per_step, self.cfg.train.seed)
@@ -201,11 +215,13 @@ def prepare_rollouts(engine, tokenizer, rows, cfg: Config, objective, step: int)
     return rollouts, metrics
 
 
-def learn(cfg: Config, objective, trainer: Trainer, engine, tokenizer, rollouts: list, step: int, d: Dist) -> dict:
+def learn(cfg: Config, objective, trainer: Trainer, engine, tokenizer, rollouts: list, step: int, d: Dist,
+          teacher_done=None) -> dict:
     """Update the policy on the rollouts, update the teacher, sync the engine's weights (the
-    weights of step + 1 updates; the engine first finishes a batch it generates ahead)."""
+    weights of step + 1 updates; the engine first finishes a batch it generates ahead).
+    teacher_done: called once the teacher's forward is done (update_policy)."""
     t0 = time.perf_counter()
-    metrics, stepped = update_policy(cfg, objective, trainer, rollouts, step, pad_token_id(tokenizer), d)
+    metrics, stepped = update_policy(cfg, objective, trainer, rollouts, step, pad_token_id(tokenizer), d, teacher_done)
     # the policy's own forward and backward: the teacher's and the reference's forwards are timed apart
     metrics["time/train_s"] = (time.perf_counter() - t0 - metrics["time/teacher_s"]
                                - metrics.get("time/reference_s", 0.0))

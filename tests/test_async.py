@@ -108,6 +108,36 @@ def test_one_optimizer_step_on_a_stale_batch_needs_no_separate_old_logprobs(tiny
     assert metrics["is/ratio_max"] == pytest.approx(ratios.max().item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("teacher", [None, "ema", "live"])
+def test_on_a_cpu_the_next_batch_starts_after_the_teacher_forward_once(teacher, monkeypatch):
+    """A teacher with its own weights runs its forward before the engine takes half the cores;
+    without one (or a live teacher, computed per micro-batch) the batch starts when taken. A
+    batch nobody started is generated when it is taken, and none is generated twice."""
+    import types
+    cfg = run.parse_config(["--algo=sdpo", "--train.steps=4", "--train.off_policy_steps=1"])
+    started = []
+
+    class Engine:
+        def in_background(self, fn, name):
+            started.append(name)
+            return rollout.Background(fn, name)
+    monkeypatch.setattr(run, "batch_rows", lambda rows, step, *args: step)
+    monkeypatch.setattr(run, "collect", lambda cfg, objective, engine, tokenizer, step, *args: (
+        [types.SimpleNamespace(generated=False)], {"batch": step}))
+    models = Models(policy=None, teacher=teacher and types.SimpleNamespace(reads_policy=teacher == "live", copy=None))
+    batches = run.Batches(cfg, OBJECTIVES["sdpo"], Engine(), None, [], ONE_PROCESS, models=models)
+    assert batches.take(0)[1]["batch"] == 0
+    if teacher == "ema":
+        assert started == []  # waits for the teacher
+        batches.generate_next()
+    assert started == ["generation of batch 1"]
+    batches.generate_next()  # the update calls it whether or not take did
+    assert started == ["generation of batch 1"]
+    assert batches.take(1)[1]["batch"] == 1
+    assert batches.take(2)[1]["batch"] == 2  # never started with a teacher: generated now
+    assert len(started) == (1 if teacher == "ema" else 3)
+
+
 # ----------------------------------------------------------------------------------------
 # off_policy_steps 0 is the loop as it was
 
@@ -178,12 +208,16 @@ def test_each_batch_comes_from_the_weights_before_the_last_update(tiny_dir, toke
         weights[version] = {k: v.detach().clone() for k, v in policy.hf.state_dict().items()}
         return real_sync(cfg, engine, policy, tokenizer, d, version)
 
-    def update_policy(cfg, objective, trainer, rollouts, step, pad, d):
+    def update_policy(cfg, objective, trainer, rollouts, step, pad, d, teacher_done=None):
         record = {"step": step, "versions": [r.policy_version for r in rollouts],
                   "rollout": [r.rollout_logprobs for r in rollouts], "rollouts": rollouts,
                   "old": objectives.response_logprobs(trainer.models.policy, rollouts, pad, d, 64, temperature),
                   "start": time.perf_counter()}
-        out = real_update(cfg, objective, trainer, rollouts, step, pad, d)
+
+        def done():
+            record["teacher_done"] = time.perf_counter()
+            teacher_done()
+        out = real_update(cfg, objective, trainer, rollouts, step, pad, d, done)
         updates.append({**record, "end": time.perf_counter()})
         return out
 
@@ -234,8 +268,9 @@ def test_each_batch_comes_from_the_weights_before_the_last_update(tiny_dir, toke
     for g in generations:
         for l in loads:
             assert g["end"] <= l["start"] or l["end"] <= g["start"]
+    # on a CPU, once the teacher's forward, which gains the most from the cores, is done
     for t in (0, 1):
-        assert generations[t + 1]["start"] < updates[t]["end"]
+        assert updates[t]["teacher_done"] <= generations[t + 1]["start"] < updates[t]["end"]
     assert all(r["time/wait_rollout_s"] >= 0 and r["time/wait_sync_s"] >= 0 for r in records)
 
 
