@@ -23,7 +23,7 @@ def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step
                   teacher_done=None):
     """One rollout batch's update: --train.mini_batches optimizer steps, each accumulating this
     rank's micro-batches. Returns (metrics, whether any optimizer step was taken). teacher_done()
-    is called once the teacher's hidden states are computed, before the policy's first forward.
+    is called once the teacher's hidden states are computed, before the first gradient pass.
 
     An optimizer step with nothing to learn from is skipped (docs/loop.md, One step): no counted
     token, no rollout whose loss can have a gradient (objective.moves), or a zero gradient."""
@@ -39,14 +39,14 @@ def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step
              if counts["tokens"] and any(objective.moves(rollouts[i]) for unit in mini_batch for i in unit) else None)
             for mini_batch in split_evenly(units, cfg.train.mini_batches)
             for counts in [step_counts([rollouts[i] for unit in mini_batch for i in unit], objective)]]
+    learning = any(micro for _, micro in plan)  # the same on every rank: all skip the old log-probs' forwards
+    old_logprobs = before_update_logprobs(cfg, models.policy, rollouts, units, pad_id, d) if learning else None
     teacher_seconds = 0.0
     if models.teacher is not None:
         mine = sorted(i for _, micro in plan if micro for part in micro for i in part)
         teacher_seconds = objectives.cache_teacher_hidden(cfg, models, [rollouts[i] for i in mine], pad_id, d)
     if teacher_done is not None:
         teacher_done()
-    learning = any(micro for _, micro in plan)  # the same on every rank: all skip the old log-probs' forwards
-    old_logprobs = before_update_logprobs(cfg, models.policy, rollouts, units, pad_id, d) if learning else None
     stats, seconds, step_losses, grad_norms, skipped, stepped = {}, {}, [], [], 0, False
     for counts, micro in plan:
         if micro is None:  # every rank sees the same rollouts, so all skip together
