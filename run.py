@@ -124,9 +124,10 @@ class Batches:
     """The rollout batch of each step, in step order.
 
     --train.off_policy_steps 0: each batch is generated when it is taken. 1: taking batch t
-    starts generating batch t+1 on rank 0 in the background, with the weights the engine
-    holds (version t), while every rank learns from batch t: one update stale, which the
-    engine correction covers (docs/async.md).
+    starts generating batch t+1 on rank 0 in the background (on a CPU, with a teacher of its
+    own weights: once the teacher's forward is done), with the weights the engine holds
+    (version t), while every rank learns from batch t: one update stale, which the engine
+    correction covers (docs/async.md).
     """
 
     def __init__(self, cfg: Config, objective, engine, tokenizer, train_rows: list, d: Dist, ahead=None,
@@ -148,7 +149,8 @@ class Batches:
                               and models.teacher is not None and not models.teacher.reads_policy)
 
     def take(self, step: int):
-        """Batch `step` (rollouts on every rank, and its metrics); starts the next one ahead."""
+        """Batch `step` (rollouts on every rank, and its metrics); starts the next one ahead,
+        unless that waits for the teacher's forward (after_teacher)."""
         t0 = time.perf_counter()
         if self.ahead is None:
             rollouts, metrics = self.collect(step, self.d)
