@@ -28,6 +28,17 @@ DEMO_WRONG = "sdpo/teacher_minus_student_logprob_demo_wrong"
 LOWERED_RIGHT_NATS, RIGHT_OVER_WRONG_NATS = -0.1, 0.1
 
 
+def samples_table(records: list[dict]):
+    """log_samples' records as a wandb Table. A cell holds text (wandb cannot type a list of
+    parts): a prompt with pictures becomes its text parts with each picture as "<image>"."""
+    import wandb
+    text = lambda v: v if isinstance(v, str) else \
+        "".join(p.get("text", "") if p.get("type") == "text" else f"<{p.get('type')}>" for p in v)
+    columns = list(records[0])
+    return wandb.Table(columns=columns, data=[[text(rec[c]) if c == "prompt" else rec[c] for c in columns]
+                                              for rec in records])
+
+
 class Logger:
     """metrics.jsonl, wandb (offline unless asked) and a progress bar, on rank 0."""
 
@@ -119,10 +130,7 @@ class Logger:
         self.samples.write("".join(json.dumps(rec) + "\n" for rec in records))
         self.samples.flush()
         if self.run is not None and records:
-            import wandb
-            columns = list(records[0])
-            self.run.log({"samples": wandb.Table(columns=columns, data=[[rec[c] for c in columns] for rec in records])},
-                         step=step)
+            self.run.log({"samples": samples_table(records)}, step=step)
 
     def progress(self, start, total):
         return Progress(start, total, self.rank == 0 and self.cfg.log.progress, self.cfg.algo.name)

@@ -534,6 +534,17 @@ def test_samples_log_holds_one_sample_per_prompt_with_reward_and_feedback(tokeni
     assert records[0]["reward"] == 0.0 and "Format Error" in records[0]["feedback"] and not records[0]["truncated"]
 
 
+def test_the_samples_table_takes_prompts_with_pictures():
+    from logger import samples_table
+    row = data.task_rows("shapes", "train", 1)[0]
+    text_row = data.task_rows("strops", "train", 1)[0]
+    records = [{"step": 1, "prompt": r["messages"][-1]["content"], "response": "Answer: 2", "reward": 0.0}
+               for r in (row, text_row)]
+    table = samples_table(records)
+    question = row["messages"][-1]["content"][1]["text"]
+    assert table.data[0][1] == f"<image>{question}" and table.data[1][1] == text_row["messages"][-1]["content"]
+
+
 def test_a_teacher_flatter_than_its_student_is_warned_once(tmp_path, capsys):
     cfg = run.parse_config([f"--log.out_dir={tmp_path}", "--log.wandb_mode=disabled"])
     logger = run.Logger(cfg, 0)
