@@ -334,6 +334,11 @@ def check_config(cfg: Config):
     if c.train.mini_batches > units:
         raise ValueError(f"--train.mini_batches={c.train.mini_batches}: more optimizer steps than the {units} "
                          f"{'prompts' if units == c.train.prompts_per_step else 'samples'} of a step")
+    for name in ("shapes_questions", "shapes_warm_start_questions"):  # the warm start's would fail only once built
+        kinds = getattr(c.data, name)
+        if (kinds or name == "shapes_questions") and (unknown := set(kinds.split(",")) - set(data.SHAPES_QUESTION_KINDS)):
+            raise ValueError(f"--data.{name}={kinds}: unknown kinds {sorted(unknown)}; use any of "
+                             f"{', '.join(data.SHAPES_QUESTION_KINDS)}")
     if c.data.reward:
         feedback.get_reward_fn(c.data.reward)  # raises naming the reward
     if c.model.path:

@@ -28,7 +28,7 @@ import zlib
 from dataclasses import dataclass
 
 from feedback.quiz import QUIZ_FEEDBACK, QUIZ_OPS
-from feedback.shapes import SCENE_QUESTION
+from feedback.shapes import PICTURE_QUIZ_INSTRUCTION, SCENE_QUESTION
 from feedback.strops import OPS, run_program
 
 # ----------------------------------------------------------------------------------------
@@ -49,6 +49,10 @@ class TaskConfig:
     shapes_max: int = 3  # shapes in a picture: 1..max (at most shapes_grid**2)
     shapes_grid: int = 2  # shapes sit in the cells of a grid x grid layout (2: four quadrants)
     shapes_questions: str = "count,colour,position"  # question kinds drawn from (data.SHAPES_QUESTION_KINDS)
+    # the warm start's question kinds ("": shapes_questions): it may teach seeing on kinds the RL run does not ask
+    shapes_warm_start_questions: str = ""
+    shapes_quiz_questions: int = 3  # questions of a picture quiz (the "quiz" kind), all about one picture
+    shapes_quiz_kinds: str = "count,colour,position"  # the kinds of question a picture quiz draws from
     shapes_colours: str = "red,green,blue,yellow"
     shapes_image_size: int = 112  # pixels a side (112: 16 image tokens for Qwen2-VL's 28-pixel units)
     quiz_questions: int = 3  # questions per quiz; all must be right
@@ -143,8 +147,10 @@ def draw_shapes(shapes: list[dict], size: int, grid: int):
 
 
 # scene: every shape in reading order, as "red circle top left, blue square bottom right" (a
-# dense description: each picture teaches colour, kind and place at once)
-SHAPES_QUESTION_KINDS = ("count", "colour", "position", "scene")
+# dense description: each picture teaches colour, kind and place at once). quiz: several count,
+# colour and position questions about one picture, answered one per line, all of which must be
+# right; its feedback marks each line right or wrong (feedback/shapes.py), as the text quiz's does.
+SHAPES_QUESTION_KINDS = ("count", "colour", "position", "scene", "quiz")
 
 
 def _shapes_row(rng: random.Random, cfg: TaskConfig) -> dict:
@@ -161,29 +167,47 @@ def _shapes_row(rng: random.Random, cfg: TaskConfig) -> dict:
     # Ask only what the picture answers unambiguously: a colour of a kind that occurs once, the
     # position of a colour and kind that occur once.
     once = lambda key: [s for s in shapes if sum(key(t) == key(s) for t in shapes) == 1]
-    options = [k for k in kinds_asked if k in ("count", "scene") or once(lambda s: s["kind"] if k == "colour" else
-                                                                         (s["colour"], s["kind"]))]
+    options = [k for k in kinds_asked if k in ("count", "scene", "quiz") or
+               once(lambda s: s["kind"] if k == "colour" else (s["colour"], s["kind"]))]
     kind = rng.choice(options or ["count"])
+    count = ("How many shapes are in the picture?", str(n))
+    colour = lambda s: (f"What colour is the {s['kind']}?", s["colour"])
+    position = lambda s: (f"Where is the {s['colour']} {s['kind']}?", positions[s["cell"]])
+    tests = None
     if kind == "count":
-        question, answer = "How many shapes are in the picture?", str(n)
+        question, answer = count
     elif kind == "scene":
         question = SCENE_QUESTION
         answer = ", ".join(f"{s['colour']} {s['kind']} {positions[s['cell']]}" for s in shapes)
     elif kind == "colour":
-        s = rng.choice(once(lambda s: s["kind"]))
-        question, answer = f"What colour is the {s['kind']}?", s["colour"]
+        question, answer = colour(rng.choice(once(lambda s: s["kind"])))
+    elif kind == "position":
+        question, answer = position(rng.choice(once(lambda s: (s["colour"], s["kind"]))))
     else:
-        s = rng.choice(once(lambda s: (s["colour"], s["kind"])))
-        question, answer = f"Where is the {s['colour']} {s['kind']}?", positions[s["cell"]]
+        if not 1 <= cfg.shapes_quiz_questions <= 26:
+            raise ValueError(f"--data.shapes_quiz_questions={cfg.shapes_quiz_questions}: questions are labelled "
+                             f"a-z, so 1 to 26")
+        quiz_kinds = cfg.shapes_quiz_kinds.split(",")
+        if unknown := set(quiz_kinds) - {"count", "colour", "position"}:
+            raise ValueError(f"--data.shapes_quiz_kinds: unknown kinds {sorted(unknown)}; use count, colour, position")
+        # every question the picture answers unambiguously, in a fixed order (count, colours, positions)
+        pool = [count] * ("count" in quiz_kinds) + \
+            [colour(s) for s in once(lambda s: s["kind"]) if "colour" in quiz_kinds] + \
+            [position(s) for s in once(lambda s: (s["colour"], s["kind"])) if "position" in quiz_kinds] or [count]
+        asked = sorted(rng.sample(range(len(pool)), min(cfg.shapes_quiz_questions, len(pool))))
+        tests = [{"input": f"{label}: {pool[i][0]}", "output": pool[i][1]}
+                 for label, i in zip(string.ascii_lowercase, asked)]
+        question = "\n".join(t["input"] for t in tests) + "\n" + PICTURE_QUIZ_INSTRUCTION
+        answer = "\n".join(f"{t['input'][0]}: {t['output']}" for t in tests)
     scene = ";".join(f"{s['colour']} {s['kind']}@{s['cell']}x{s['scale']}{s['dx']:+}{s['dy']:+}" for s in shapes)
     return {
         "uid": f"shapes:{scene}:{question}",
-        "messages": [{"role": "user", "content": [{"type": "image"},
-                                                  {"type": "text", "text": f"{question} {SHAPES_INSTRUCTION}"}]}],
+        "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question if tests else
+                                                                      f"{question} {SHAPES_INSTRUCTION}"}]}],
         "images": [draw_shapes(shapes, cfg.shapes_image_size, cfg.shapes_grid)],
         "answer": answer,
-        "tests": None,
-        "reference": f"Answer: {answer}",
+        "tests": tests,  # a picture quiz's questions and their answers, else None
+        "reference": answer if tests else f"Answer: {answer}",
         "reward": "shapes",
     }
 
@@ -226,11 +250,18 @@ def wrong_response(row: dict, rng: random.Random) -> str | None:
             if any(run_program(program.split(" | "), t["input"]) != t["output"] for t in row["tests"]):
                 return f"Program: {program}"
     if row["reward"] == "shapes":
-        truth = row["answer"]
         pools = [[str(k) for k in range(1, 5)], TaskConfig().shapes_colours.split(",")] + \
             [grid_positions(g) for g in (2, 3)]
-        pool = next((p for p in pools if truth in p), [])
-        return f"Answer: {rng.choice([p for p in pool if p != truth] or ['none'])}"
+        other = lambda truth: rng.choice([p for p in next((p for p in pools if truth in p), []) if p != truth]
+                                         or ["none"])
+        if not row.get("tests"):
+            return f"Answer: {other(row['answer'])}"
+        # a picture quiz: each line wrong with probability 1/3 (at least one), as the text quiz's
+        wrong = [rng.random() < 1 / 3 for _ in row["tests"]]
+        if not any(wrong):
+            wrong[rng.randrange(len(wrong))] = True
+        return "\n".join(f"{t['input'][0]}: {other(t['output']) if w else t['output']}"
+                         for t, w in zip(row["tests"], wrong))
     if row["reward"] == "math" and row.get("answer") is not None and row["answer"].lstrip("-").isdigit():
         wrong = int(row["answer"]) + rng.choice([-10, -2, -1, 1, 2, 10])
         return f"Answer: {wrong}"

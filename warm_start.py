@@ -42,8 +42,10 @@ def warm_start_config(cfg: Config, tiny: str) -> Config:
                       seed=cfg.train.warm_start_seed, mini_batches=1, eval_every=0, save_every=0, resume="",
                       **{f.name: getattr(cfg.train, f.name) for f in dataclasses.fields(TrainConfig)
                          if f.name.startswith("warm_start")})
+    warm_questions = cfg.data.shapes_warm_start_questions or cfg.data.shapes_questions
     warm = dataclasses.replace(
         cfg, algo=AlgoConfig(name="sft"), rollout=RolloutConfig(),
+        data=dataclasses.replace(cfg.data, shapes_questions=warm_questions, shapes_warm_start_questions=""),
         # decayed towards 0 at its last step (a target may stop it sooner): its last weights are all that is kept
         optim=dataclasses.replace(cfg.optim, lr=cfg.train.warm_start_lr, decay="linear", eps=OptimConfig.eps),
         train=dataclasses.replace(cfg.train, **warm_train),
@@ -63,6 +65,10 @@ def warm_start_key(cfg: Config, warm: Config, warm_train: dict) -> list:
     train_data = {k: v for k, v in dataclasses.asdict(warm.data).items() if k not in ("eval_rows", "eval_path")}
     if cfg.data.task != "quiz" or cfg.data.quiz_feedback == "values":  # only the quiz's warm start shows it
         train_data.pop("quiz_feedback")
+    train_data.pop("shapes_warm_start_questions")  # in effect as shapes_questions
+    if "quiz" not in warm.data.shapes_questions.split(","):
+        train_data.pop("shapes_quiz_questions")
+        train_data.pop("shapes_quiz_kinds")
     # --optim.eps is RL-only (the warm start keeps AdamW's default)
     warm_optim = {k: v for k, v in dataclasses.asdict(warm.optim).items() if k != "eps"}
     warm_key = {k: v for k, v in warm_train.items()

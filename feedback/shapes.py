@@ -16,8 +16,10 @@ from feedback import Reward, row_field, truncated_reward
 
 # the scene question's text (data.py asks it): the reward recognises it by this text
 SCENE_QUESTION = "Name every shape in reading order: its colour, kind and place."
+PICTURE_QUIZ_INSTRUCTION = "Answer each question on its own line, as 'a: <answer>'."
 
 _ANSWER = re.compile(r"answer\s*:\s*([^\n]*)", re.IGNORECASE)
+_QUIZ_LINE = re.compile(r"^\s*([a-z])\s*:\s*(.*?)\s*$", re.IGNORECASE | re.MULTILINE)
 _COLOUR_Q = re.compile(r"What colour is the (\w+)\?")
 _POSITION_Q = re.compile(r"Where is the (\w+ \w+)\?")
 FORMAT_FEEDBACK = "Your response has no final answer. End it with 'Answer: <answer>'."
@@ -44,11 +46,31 @@ def scene_feedback(given: str, truth: str) -> str:
             f"{'is' if len(wrong) == 1 else 'are'} wrong; the rest are right. Look at the picture again.")
 
 
+def quiz_feedback(response: str, tests: list[dict]) -> Reward:
+    """A picture quiz: 1.0 iff every labelled line's answer (the last line with its label) equals
+    its question's; else each line marked right or wrong, or the format when no line is labelled."""
+    given = {label.lower(): normalise(text) for label, text in _QUIZ_LINE.findall(response)}
+    labels = [t["input"].split(":", 1)[0] for t in tests]
+    if not any(label in given for label in labels):
+        return Reward(0.0, f"Your response answers none of the questions. {PICTURE_QUIZ_INSTRUCTION}")
+    right = [given.get(label) == normalise(t["output"]) for label, t in zip(labels, tests)]
+    if all(right):
+        return Reward(1.0)
+    wrong = right.count(False)
+    lines = [f"{wrong} of {len(tests)} answers {'is' if wrong == 1 else 'are'} wrong."]
+    lines += [f"{label}: {given[label]} is right." if ok else f"{label} is wrong." if label in given else
+              f"{label} has no answer." for label, ok in zip(labels, right)]
+    return Reward(0.0, "\n".join(lines + ["Look at the picture again."]))
+
+
 def shapes_reward(response: str, row: dict, truncated: bool) -> Reward:
-    """1.0 if the last 'Answer: X' equals row["answer"] (case and surrounding space ignored)."""
+    """1.0 if the last 'Answer: X' equals row["answer"] (case and surrounding space ignored), or,
+    for a picture quiz (row["tests"]), if every line is right."""
     truth = row_field(row, "answer", "shapes")
     if truncated:
         return truncated_reward()
+    if row.get("tests"):
+        return quiz_feedback(response, row["tests"])
     found = _ANSWER.findall(response)
     if not found or not normalise(found[-1]):
         return Reward(0.0, FORMAT_FEEDBACK)

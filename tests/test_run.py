@@ -1167,6 +1167,8 @@ def test_every_recipe_sets_known_flags_only(tmp_path, monkeypatch):
     ("--train.mini_batches=200 --train.shuffle_samples=True",
      "--train.mini_batches=200: more optimizer steps than the 128 samples"),
     ("--sdpo.teacher_rate=1.5", "--sdpo.teacher_rate=1.5: a rate"),
+    ("--data.task=shapes --data.shapes_warm_start_questions=count,size",
+     "--data.shapes_warm_start_questions=count,size: unknown kinds ['size']"),
 ])
 def test_a_bad_flag_fails_at_parsing_naming_it(flag, message):
     """Each of these failed only after the engine's start (48-68 s), or never (steps -5: "done")."""

@@ -23,6 +23,8 @@ import torch
 
 import data
 import feedback
+import warm_start
+from config import parse_config
 from data import DataError, TaskConfig
 
 TOL = 1e-4
@@ -119,6 +121,77 @@ def test_scene_questions_name_every_shape_in_reading_order_and_feedback_hides_th
         reward = feedback.score(fn, f"Answer: {one_wrong}", row, False)
         assert reward.score == 0.0 and f"shape number {len(shapes)} (in reading order) is wrong" in reward.feedback
         assert not any(s in reward.feedback for s in shapes)
+
+
+def test_a_picture_quiz_asks_what_the_picture_answers_and_its_feedback_marks_each_line():
+    rows = data.task_rows("shapes", "train", 120, cfg=TaskConfig(shapes_questions="quiz"))
+    positions = data.grid_positions(2)
+    fn = feedback.get_reward_fn("shapes")
+    rng = random.Random(0)
+    assert sum(len(row["tests"]) == 3 for row in rows) > 100
+    for row in rows:
+        scene, text = scene_of(row), row["messages"][0]["content"][1]["text"]
+        assert text.splitlines()[-1] == feedback.shapes.PICTURE_QUIZ_INSTRUCTION
+        assert text.splitlines()[:-1] == [t["input"] for t in row["tests"]]
+        assert len({t["input"] for t in row["tests"]}) == len(row["tests"])
+        for label, test in zip("abc", row["tests"]):
+            question = test["input"].removeprefix(f"{label}: ")
+            if question.startswith("How many"):
+                truth = [str(len(scene))]
+            elif m := re.match(r"What colour is the (\w+)\?", question):
+                truth = [colour for colour, kind, *_ in scene if kind == m.group(1)]
+            else:
+                colour, kind = re.match(r"Where is the (\w+) (\w+)\?", question).groups()
+                truth = [positions[c] for col, k, c, *_ in scene if (col, k) == (colour, kind)]
+            assert truth == [test["output"]], (test, scene)
+        assert row["reference"] == row["answer"] == "\n".join(f"{l}: {t['output']}" for l, t in zip("abc", row["tests"]))
+        assert feedback.score(fn, "I see:\n" + row["answer"].upper(), row, False).score == 1.0
+        # a plausible wrong reply: each line marked, the right ones repeated, a wrong one's answer never shown
+        wrong = data.wrong_response(row, rng)
+        given = dict(line.split(": ") for line in wrong.splitlines())
+        reward = feedback.score(fn, wrong, row, False)
+        marks = reward.feedback.splitlines()
+        assert reward.score == 0.0 and marks[-1] == "Look at the picture again."
+        bad = [l for l, t in zip("abc", row["tests"]) if given[l] != t["output"]]
+        assert bad and marks[0] == f"{len(bad)} of {len(row['tests'])} answers {'is' if len(bad) == 1 else 'are'} wrong."
+        for l, t, mark in zip("abc", row["tests"], marks[1:-1]):
+            assert mark == (f"{l} is wrong." if l in bad else f"{l}: {t['output']} is right.")
+    row = next(r for r in rows if len(r["tests"]) == 3)
+    a, b, c = (t["output"] for t in row["tests"])
+    reward = feedback.score(fn, f"a: {a}\nc: {c}", row, False)  # a line left out is wrong
+    assert reward.score == 0.0 and "b has no answer." in reward.feedback and f"c: {c} is right." in reward.feedback
+    assert "none of the questions" in feedback.score(fn, f"Answer: {a}", row, False).feedback
+    assert feedback.score(fn, row["answer"], row, True).score == 0.0  # truncated
+    # --data.shapes_quiz_kinds: what a quiz may ask
+    places = data.task_rows("shapes", "train", 60, cfg=TaskConfig(shapes_questions="quiz", shapes_quiz_kinds="position"))
+    assert all(t["input"][3:].startswith("Where is") for row in places for t in row["tests"])
+    assert sum(len(row["tests"]) > 1 for row in places) > 20
+    with pytest.raises(ValueError, match="shapes_quiz_kinds: unknown kinds \\['scene'\\]"):
+        data.task_rows("shapes", "train", 5, cfg=TaskConfig(shapes_questions="quiz", shapes_quiz_kinds="count,scene"))
+
+
+def test_the_warm_start_may_ask_other_questions_than_the_rl_run():
+    """--data.shapes_warm_start_questions is what the warm start trains on; the RL run asks
+    --data.shapes_questions. Runs that differ only in the RL questions share one warm start."""
+    def warm(*flags):
+        cfg = parse_config(["--data.task=shapes", *flags])
+        return warm_start.warm_start_config(cfg, "tiny-vlm"), cfg
+    (quiz, quiz_cfg), (scene, _) = (warm("--data.shapes_questions=quiz", f"--data.shapes_warm_start_questions={q}")
+                                    for q in ("count,scene,quiz", "count,scene"))
+    assert quiz_cfg.data.shapes_questions == "quiz"
+    assert quiz.data.shapes_questions == "count,scene,quiz" and quiz.data.shapes_warm_start_questions == ""
+    assert quiz.log.out_dir != scene.log.out_dir
+    same, _ = warm("--data.shapes_questions=count", "--data.shapes_warm_start_questions=count,scene,quiz")
+    assert same.log.out_dir == quiz.log.out_dir
+    # empty: the warm start asks the RL run's questions, under the name such a warm start always had
+    plain, _ = warm("--data.shapes_questions=count,scene", "--data.shapes_warm_start_questions=")
+    assert plain.data.shapes_questions == "count,scene" and plain.log.out_dir == scene.log.out_dir
+    # the quiz's flags are read only by a warm start that asks quizzes
+    for flag in ("--data.shapes_quiz_questions=2", "--data.shapes_quiz_kinds=count"):
+        assert warm("--data.shapes_questions=count,scene", "--data.shapes_warm_start_questions=",
+                    flag)[0].log.out_dir == plain.log.out_dir
+        assert warm("--data.shapes_questions=quiz", "--data.shapes_warm_start_questions=count,scene,quiz",
+                    flag)[0].log.out_dir != quiz.log.out_dir
 
 
 def test_shapes_split_and_difficulty_flags():
