@@ -334,11 +334,9 @@ def check_config(cfg: Config):
     if c.train.mini_batches > units:
         raise ValueError(f"--train.mini_batches={c.train.mini_batches}: more optimizer steps than the {units} "
                          f"{'prompts' if units == c.train.prompts_per_step else 'samples'} of a step")
-    for name in ("shapes_questions", "shapes_warm_start_questions"):  # the warm start's would fail only once built
-        kinds = getattr(c.data, name)
-        if (kinds or name == "shapes_questions") and (unknown := set(kinds.split(",")) - set(data.SHAPES_QUESTION_KINDS)):
-            raise ValueError(f"--data.{name}={kinds}: unknown kinds {sorted(unknown)}; use any of "
-                             f"{', '.join(data.SHAPES_QUESTION_KINDS)}")
+    data.check_kinds(c.data.shapes_questions, "shapes_questions", data.SHAPES_QUESTION_KINDS)
+    if c.data.shapes_warm_start_questions:  # else it would fail only once the warm start draws its rows
+        data.check_kinds(c.data.shapes_warm_start_questions, "shapes_warm_start_questions", data.SHAPES_QUESTION_KINDS)
     if c.data.reward:
         feedback.get_reward_fn(c.data.reward)  # raises naming the reward
     if c.model.path:

@@ -153,13 +153,19 @@ def draw_shapes(shapes: list[dict], size: int, grid: int):
 SHAPES_QUESTION_KINDS = ("count", "colour", "position", "scene", "quiz")
 
 
+def check_kinds(value: str, flag: str, known) -> list[str]:
+    """The kinds a comma-separated flag value lists; a ValueError naming the flag if one is unknown."""
+    kinds = value.split(",")
+    if unknown := set(kinds) - set(known):
+        raise ValueError(f"--data.{flag}={value}: unknown kinds {sorted(unknown)}; use any of {', '.join(known)}")
+    return kinds
+
+
 def _shapes_row(rng: random.Random, cfg: TaskConfig) -> dict:
     positions, colours = grid_positions(cfg.shapes_grid), cfg.shapes_colours.split(",")
-    kinds_asked = cfg.shapes_questions.split(",")
+    kinds_asked = check_kinds(cfg.shapes_questions, "shapes_questions", SHAPES_QUESTION_KINDS)
     if not 1 <= cfg.shapes_max <= len(positions):
         raise ValueError(f"shapes_max must be 1..{len(positions)} for a {cfg.shapes_grid}x{cfg.shapes_grid} grid")
-    if unknown := set(kinds_asked) - set(SHAPES_QUESTION_KINDS):
-        raise ValueError(f"shapes_questions: unknown kinds {sorted(unknown)}; use {', '.join(SHAPES_QUESTION_KINDS)}")
     n = rng.randint(1, cfg.shapes_max)
     shapes = [{"kind": rng.choice(SHAPE_KINDS), "colour": rng.choice(colours), "cell": cell,
                "scale": rng.choice((0.5, 0.6, 0.7)), "dx": rng.choice((-0.1, 0.0, 0.1)), "dy": rng.choice((-0.1, 0.0, 0.1))}
@@ -256,25 +262,28 @@ def wrong_response(row: dict, rng: random.Random) -> str | None:
                                          or ["none"])
         if not row.get("tests"):
             return f"Answer: {other(row['answer'])}"
-        # a picture quiz: each line wrong with probability 1/3 (at least one), as the text quiz's
-        wrong = [rng.random() < 1 / 3 for _ in row["tests"]]
-        if not any(wrong):
-            wrong[rng.randrange(len(wrong))] = True
         return "\n".join(f"{t['input'][0]}: {other(t['output']) if w else t['output']}"
-                         for t, w in zip(row["tests"], wrong))
+                         for t, w in zip(row["tests"], _wrong_lines(len(row["tests"]), rng)))
     if row["reward"] == "math" and row.get("answer") is not None and row["answer"].lstrip("-").isdigit():
         wrong = int(row["answer"]) + rng.choice([-10, -2, -1, 1, 2, 10])
         return f"Answer: {wrong}"
     return None
 
 
+def _wrong_lines(n: int, rng: random.Random) -> list[bool]:
+    """Which of a quiz's n lines a plausible wrong reply gets wrong: each with probability 1/3,
+    at least one."""
+    wrong = [rng.random() < 1 / 3 for _ in range(n)]
+    if not any(wrong):
+        wrong[rng.randrange(n)] = True
+    return wrong
+
+
 def _wrong_quiz_answers(row: dict, rng: random.Random) -> str:
     """Each result wrong with probability 1/3 (at least one), by a slip a model makes: off by
     one or two, or a neighbouring table entry (7*8 answered as 7*7 or 7*9)."""
     tests = row["tests"]
-    wrong = [rng.random() < 1 / 3 for _ in tests]
-    if not any(wrong):
-        wrong[rng.randrange(len(tests))] = True
+    wrong = _wrong_lines(len(tests), rng)
     answers = []
     for t, w in zip(tests, wrong):
         value = int(t["output"])

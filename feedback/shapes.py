@@ -46,7 +46,7 @@ def scene_feedback(given: str, truth: str) -> str:
             f"{'is' if len(wrong) == 1 else 'are'} wrong; the rest are right. Look at the picture again.")
 
 
-def quiz_feedback(response: str, tests: list[dict]) -> Reward:
+def picture_quiz_reward(response: str, tests: list[dict]) -> Reward:
     """A picture quiz: 1.0 iff every labelled line's answer (the last line with its label) equals
     its question's; else each line marked right or wrong, or the format when no line is labelled."""
     given = {label.lower(): normalise(text) for label, text in _QUIZ_LINE.findall(response)}
@@ -70,7 +70,7 @@ def shapes_reward(response: str, row: dict, truncated: bool) -> Reward:
     if truncated:
         return truncated_reward()
     if row.get("tests"):
-        return quiz_feedback(response, row["tests"])
+        return picture_quiz_reward(response, row["tests"])
     found = _ANSWER.findall(response)
     if not found or not normalise(found[-1]):
         return Reward(0.0, FORMAT_FEEDBACK)
