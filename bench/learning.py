@@ -179,7 +179,9 @@ def main():
     results = []
     for task in args.tasks.split(","):
         # 256 held-out rows (run.py's default is 2048, for one run's gain): nine evaluations per run
-        # at 2048 would add ~1 hour to the nine runs; the seeds' spread is its error bar.
+        # at 2048 would add ~1 hour to the nine runs; the seeds' spread is its error bar. Where the
+        # gains are a few points, 256 rows' noise (a run's gain_stderr ~1.6 points on the picture
+        # task) hides them: pass --data.eval_rows=1024 --eval_every 40 there (docs/data.md)
         # 32 prompts x 4 samples per step (run.py's default: 16 x 8), the paper's 32 questions per
         # batch at the same generations: on the quiz SDPO learns faster spread over more prompts,
         # GRPO about as fast (docs/results.md, both shapes measured)
