@@ -7,7 +7,7 @@ A *row* is a plain dict, the one currency between data, rewards and the training
     images           PIL images (RGB), one per image part of the messages, in order; or absent
     answer           ground truth for math / multiple choice (str) or None
     tests            for code / strops: [{"input", "output"}], function calls or assert code
-                     (see _check_test and feedback/code.py), or None
+                     (see _check_test and feedback/code/__init__.py), or None
     teacher_response a black-box teacher's response (GAD) or None
     reference        a reference response for SFT (synthetic tasks) or None
     reward           name of the reward function in feedback/ ("math", "strops", ...)
@@ -538,7 +538,7 @@ def _attach_images(messages: list[dict], images, base_dir: str, where) -> tuple[
 
 
 def _check_tests(tests, where: str) -> list[dict]:
-    """A row's tests, each checked (feedback/code.py says what the kinds mean):
+    """A row's tests, each checked (feedback/code/__init__.py says what the kinds mean):
     {"input": str, "output": str}; {"fn": str, "args": list, "kwargs": dict, "expected": value,
     "tol": number}; {"fn": str, "assert": str}. Keys whose value is None are absent (Parquet
     fills the columns of other kinds with nulls), except "expected"."""
@@ -1257,7 +1257,7 @@ def read_rows(cfg, announce: bool = False):
     without knowing)."""
     d = cfg.data
     if d.reward == "code" or d.allow_weak_sandbox:  # refuse a sandbox that cannot isolate, before any work
-        from feedback import sandbox
+        from feedback.code import sandbox
         sandbox.require_isolation(d.allow_weak_sandbox)
     if d.task in TASKS:
         held_out = task_rows(d.task, "test", d.eval_rows, cfg=d, at_most=True)

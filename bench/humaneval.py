@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 from feedback import score_batch  # noqa: E402
 from feedback.code import code_reward  # noqa: E402
-from feedback.sandbox import isolation  # noqa: E402
+from feedback.code.sandbox import isolation  # noqa: E402
 
 
 def load_problems() -> list[dict]:

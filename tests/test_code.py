@@ -1,4 +1,4 @@
-"""Tests of the code reward (feedback/code.py): extraction, verdicts and their feedback texts for
+"""Tests of the code reward (feedback/code/__init__.py): extraction, verdicts and their feedback texts for
 stdin/stdout, function-call and assert tests. Expected texts are written out by hand. Hostile
 programs are in test_sandbox.py."""
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import data
 from feedback import TRUNCATION_FEEDBACK, Reward, score, score_batch
 from feedback.code import FORMAT_FEEDBACK, code_reward, extract_code, fenced_blocks, values_equal
-from feedback.harness import decode_value, encode_value
+from feedback.code.harness import decode_value, encode_value
 
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 ADD_ROW = {"uid": "c1", "tests": [{"input": "10 20\n", "output": "30\n"}, {"input": "1 2\n", "output": "3"},

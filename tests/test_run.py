@@ -486,7 +486,7 @@ def test_raising_reward_function_fails_the_rollout_not_the_run(tokenizer, tmp_pa
 
 
 def test_code_reward_refuses_a_weak_sandbox_unless_accepted(tmp_path, monkeypatch, capsys):
-    from feedback import sandbox
+    from feedback.code import sandbox
     monkeypatch.setattr(sandbox, "_isolation", sandbox.Isolation(None, False, ("no bubblewrap here (test)",)))
     monkeypatch.setattr(sandbox, "_weak_accepted", False)
     monkeypatch.setattr(sandbox, "_announced", False)

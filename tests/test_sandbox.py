@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from feedback import Reward, score, score_batch
-from feedback import sandbox
+from feedback.code import sandbox
 from feedback.code import code_reward
-from feedback.sandbox import Limits, SandboxUnavailable, run_tests
+from feedback.code.sandbox import Limits, SandboxUnavailable, run_tests
 
 REPO = Path(__file__).resolve().parents[1]
 ROW = {"uid": "h", "tests": [{"input": "1 2\n", "output": "3"}]}  # the expected output is "3"
@@ -55,7 +55,7 @@ def test_sandbox_builds_from_a_python_under_tmp(top):
         code = ("import os, sys\nprint(sys.prefix)\n"
                 f"for p in ({d!r}, {d + '/venv'!r}):\n"
                 "    try:\n        os.rename(p, p + '_moved')\n    except OSError:\n        print('kept')\n")
-        check = ("import sys\nfrom feedback import sandbox\niso = sandbox.isolation()\n"
+        check = ("import sys\nfrom feedback.code import sandbox\niso = sandbox.isolation()\n"
                  "assert iso.isolated, iso.problems[0]\n"
                  f"r = sandbox.run_tests({code!r}, [{{'input': ''}}] * 2)\n"
                  "print(repr([x.stdout for x in r]), r[0].stderr, r[-1].error)\n")

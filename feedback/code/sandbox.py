@@ -2,7 +2,7 @@
 
 One sandbox per `run_tests` call (one rollout's tests), built by bubblewrap: new mount, pid,
 network, ipc and uts namespaces; the program sees the runtime read-only, its own tmpfs
-directories, and nothing else. Inside, feedback/harness.py runs each test in fresh processes
+directories, and nothing else. Inside, feedback/code/harness.py runs each test in fresh processes
 and enforces the limits. Without bubblewrap the sandbox is *weak*: `isolation()` says which,
 and `require_isolation` refuses to go on unless the user accepts it. What holds and what does
 not, the mounts and the uid pool: docs/sandbox.md.
@@ -24,7 +24,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 
-from feedback.harness import KEPT_OUTPUT as KEPT, SAFE_PATH, decode_value, encode_value
+from feedback.code.harness import KEPT_OUTPUT as KEPT, SAFE_PATH, decode_value, encode_value
 
 # Uids the programs run as when we are root, one per concurrent sandbox, so that one program's
 # process budget (RLIMIT_NPROC counts per uid) is its own. Uids of real accounts are skipped.

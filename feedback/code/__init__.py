@@ -1,4 +1,9 @@
-"""Code reward: run the model's Python program against a row's tests in the sandbox.
+"""The code reward: run the model's Python program against a row's tests in the sandbox.
+
+This package is the code reward and all it needs: this file (extraction, verdicts, feedback
+texts), sandbox.py (the bubblewrap sandbox one rollout's tests run in) and harness.py (the
+standard-library-only runner mounted alone inside it). The other reward functions in
+feedback/ are small modules of their own.
 
 A test is stdin -> stdout ({"input", "output"}), a function call ({"fn", "args", "kwargs",
 "expected", "tol"}; `fn` may be `Solution.method`) or test code calling `candidate` ({"fn",
@@ -17,8 +22,8 @@ import signal
 
 from feedback import (FIELD_CHARS, TOTAL_CHARS, Reward, cut, io_fields, printable, shortest_first, show_field,
                       row_field, truncated_reward, wrong_answer_feedback)
-from feedback.harness import call_text
-from feedback.sandbox import Limits, RunResult, run_tests
+from feedback.code.harness import call_text
+from feedback.code.sandbox import Limits, RunResult, run_tests
 
 FORMAT_FEEDBACK = "Format Error: no code found. Put your solution in a ```python code block."
 FENCE = "```"

@@ -1,6 +1,6 @@
 """The inside of the code sandbox: the test runner and the program server. Standard library only.
 
-feedback/sandbox.py starts `python -I harness.py --job FD --out FD` (the *runner*: runs every
+feedback/code/sandbox.py starts `python -I harness.py --job FD --out FD` (the *runner*: runs every
 test of the job in order, one JSON line per result), which starts `python -I harness.py --serve
 SOLUTION` (the *server*: runs the program as a module, answers calls on fds 3 and 4) for
 function-call and assert tests. The runner is trusted; values cross from the program only as
