@@ -207,7 +207,7 @@ class TrainConfig:
     cpu_threads: int = 0
     share_prompt_prefix: bool = True  # a prompt several rollouts of a forward share runs once (KV cache reuse)
     # GRPO/GSPO/DPO/SFT/GAD log-probs from hidden states this many rows of logits at a time, never
-    # [tokens, vocab] (losses.token_logprobs_from_hidden); 0: plain autograd on the full logits
+    # [tokens, vocab] (chunked_head.token_logprobs_from_hidden); 0: plain autograd on the full logits
     head_chunk_size: int = 512
     seed: int = 0
     # The tiny model's built-in SFT on the task's references (cached; recipes/ set these per task)

@@ -16,7 +16,7 @@ import torch
 
 import data
 import feedback
-import losses
+import chunked_head
 import objectives
 import sdpo
 from config import Config
@@ -185,7 +185,7 @@ def context_entropies(engine, tokenizer, rows, cfg: Config, model_dir: str, devi
         out, size = [], cfg.train.micro_batch
         for i in range(0, len(seqs), size):
             packed = data.pack(seqs[i:i + size], response_lens[i:i + size], pad_id, device)
-            lp, ent = objectives.forward(model, packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(
+            lp, ent = objectives.forward(model, packed, lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(
                 h, w, packed.targets, cfg.rollout.temperature, cfg.sdpo.chunk_size))
             ends = torch.tensor(response_lens[i:i + size]).cumsum(0).tolist()
             out += [(lp[e - n:e], ent[e - n:e]) for n, e in zip(response_lens[i:i + size], ends)]

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+import chunked_head
 import data
 import losses
 import sdpo
@@ -161,7 +162,7 @@ def response_logprobs(model, rollouts: list, pad_id: int, d: Dist, micro_batch: 
             packed = pack(model, [rollouts[j].prompt_ids + rollouts[j].response_ids for j in part],
                           [len(rollouts[j].response_ids) for j in part], pad_id, d.device,
                           images=[rollouts[j].row.get("images") for j in part], shared_prefix=shared_prefix)
-            logprobs = forward(model, packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(
+            logprobs = forward(model, packed, lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(
                 h, w, packed.targets, temperature)[0])
             start = 0
             for j in part:
@@ -202,11 +203,11 @@ def forward(model, packed: data.Packed, head):
 def logprob_head(targets: torch.Tensor, temperature: float, chunk_size: int):
     """Head for the policy-gradient, DPO and SFT losses: the log-probs of targets [N] (with
     gradient) and the entropy [N] (without). chunk_size > 0: chunk_size rows of logits at a
-    time, never [N, V] (losses.token_logprobs_from_hidden); 0: one pass over the full
+    time, never [N, V] (chunked_head.token_logprobs_from_hidden); 0: one pass over the full
     float32 logits (plain autograd, which keeps them for backward)."""
     def head(hidden, weight):
         if chunk_size:
-            return losses.token_logprobs_from_hidden(hidden, weight, targets, temperature, chunk_size)
+            return chunked_head.token_logprobs_from_hidden(hidden, weight, targets, temperature, chunk_size)
         logits = (hidden @ weight.T).float()
         return losses.token_logprobs(logits, targets, temperature), losses.entropy_from_logits(logits.detach(), temperature)
     return head
@@ -407,13 +408,13 @@ def sdpo_head(mb: MicroBatch, models: Models, cfg, teacher_hidden: torch.Tensor)
     def head(hidden, weight):
         teacher_weight = models.teacher.head_weight(weight).to(hidden.dtype)
         th = teacher_hidden.to(hidden.dtype)
-        current, entropy = losses.logprobs_and_entropy_from_hidden(hidden, weight, targets, temperature, sd.chunk_size)
-        teacher_lp, teacher_entropy = losses.logprobs_and_entropy_from_hidden(th, teacher_weight, targets, temperature,
-                                                                              sd.chunk_size)
+        no_grad_head = chunked_head.logprobs_and_entropy_from_hidden
+        current, entropy = no_grad_head(hidden, weight, targets, temperature, sd.chunk_size)
+        teacher_lp, teacher_entropy = no_grad_head(th, teacher_weight, targets, temperature, sd.chunk_size)
         if sd.distill == "topk" and sd.chunked:
-            loss = losses.sdpo_topk_loss_from_hidden(hidden, weight, th, teacher_weight, k=sd.topk, alpha=sd.alpha,
-                                                     add_tail=sd.add_tail, temperature=temperature,
-                                                     chunk_size=sd.chunk_size)
+            loss = chunked_head.sdpo_topk_loss_from_hidden(hidden, weight, th, teacher_weight, k=sd.topk,
+                                                           alpha=sd.alpha, add_tail=sd.add_tail,
+                                                           temperature=temperature, chunk_size=sd.chunk_size)
         elif sd.distill in ("topk", "full"):
             student_logits = hidden @ weight.T
             with torch.no_grad():
@@ -488,7 +489,7 @@ def hybrid_loss(mb: MicroBatch, models: Models, cfg):
     def head(hidden, weight):
         logprobs, entropy = logprob_head(targets, temperature, cfg.train.head_chunk_size)(hidden, weight)
         teacher_weight = models.teacher.head_weight(weight).to(hidden.dtype)
-        teacher_lp, teacher_entropy = losses.logprobs_and_entropy_from_hidden(
+        teacher_lp, teacher_entropy = chunked_head.logprobs_and_entropy_from_hidden(
             teacher_hidden.to(hidden.dtype), teacher_weight, targets, temperature, cfg.sdpo.chunk_size)
         return logprobs, entropy, teacher_lp, teacher_entropy
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import data
 import feedback
-import losses
+import chunked_head
 import objectives
 from objectives import Dist, Rollout
 from config import Config
@@ -752,7 +752,7 @@ def sync_engine(cfg: Config, engine, policy, tokenizer, d: Dist, version: int) -
     packed = objectives.pack(policy, [scored], [len(scored) - 1], pad_token_id(tokenizer), d.device,
                              images=[pictures] if pictures else None)
     with torch.no_grad():
-        probe_lp = objectives.forward(policy, packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(
+        probe_lp = objectives.forward(policy, packed, lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(
             h, w, packed.targets)[0])
     reshard(policy)
     tol = cfg.rollout.sync_tol or (1e-3 if engine_dtype(cfg, d.device) == "float32" else 1.0)

@@ -8,7 +8,7 @@
   live          the current weights (diverges in the paper; here for the ablation)
 
 The teacher is consumed as final hidden states plus an LM-head weight, so that the loss
-can compute teacher logits chunk by chunk (losses.sdpo_topk_loss_from_hidden). The
+can compute teacher logits chunk by chunk (chunked_head.sdpo_topk_loss_from_hidden). The
 trust-region lerp is exact in that form: lerp of logits over [h_ref, h_student] is one
 matmul of the concatenated hidden states [(1−r)·h_ref, r·h_student] with the
 concatenated heads [W_ref, W_student].

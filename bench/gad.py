@@ -91,7 +91,7 @@ def teacher_nll(teacher, rollouts: list, cfg) -> float:
     (a finished response ends with the teacher's EOS), at temperature 1."""
     import torch
     import data
-    import losses
+    import chunked_head
     import objectives
     model, tokenizer = teacher
     total, tokens = 0.0, 0
@@ -104,7 +104,7 @@ def teacher_nll(teacher, rollouts: list, cfg) -> float:
             keep = [j for j, resp in enumerate(responses) if resp]
             packed = data.pack([prompts[j] + responses[j] for j in keep], [len(responses[j]) for j in keep],
                                tokenizer.pad_token_id, "cpu")
-            logprobs = objectives.forward(model, packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(
+            logprobs = objectives.forward(model, packed, lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(
                 h, w, packed.targets)[0])
             total -= logprobs.sum().item()
             tokens += logprobs.numel()

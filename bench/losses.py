@@ -40,8 +40,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from losses import (entropy_from_logits, sdpo_divergence, sdpo_topk_loss_from_hidden,  # noqa: E402
-                    token_logprobs, token_logprobs_from_hidden, topk_with_tail)
+from chunked_head import sdpo_topk_loss_from_hidden, token_logprobs_from_hidden  # noqa: E402
+from losses import (entropy_from_logits, sdpo_divergence,  # noqa: E402
+                    token_logprobs, topk_with_tail)
 
 PATHS = ("plain", "chunked", "weighted")
 

@@ -28,6 +28,7 @@ def main(out_dir, model_dir, d):
     from transformers import AutoTokenizer
 
     import data
+    import chunked_head
     import losses
     import rollout
     import run
@@ -57,7 +58,8 @@ def main(out_dir, model_dir, d):
 
     def probe_logprobs():  # as run.train's sync(): through the sharded model, on every rank
         with torch.no_grad():
-            return policy(packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(h, w, packed.targets)[0]).cpu()
+            head = lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(h, w, packed.targets)[0]
+            return policy(packed, head).cpu()
 
     before = probe_logprobs()
     # One AdamW step on the probe's NLL: every parameter moves by about lr, identically on both

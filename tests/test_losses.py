@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import chunked_head
 import losses
 
 FAST = settings(max_examples=40, deadline=None)
@@ -642,7 +643,7 @@ def test_chunked_equals_plain_in_values_and_gradients(alpha, add_tail, temperatu
     expected = plain_path(*inputs, 5, alpha, add_tail, temperature)
     expected_grads = torch.autograd.grad((expected * grad_output).sum(), (student_hidden, student_weight))
     for chunk_size in (1, 4, 13, 50):  # 4 does not divide 13
-        got = losses.sdpo_topk_loss_from_hidden(
+        got = chunked_head.sdpo_topk_loss_from_hidden(
             *inputs, k=5, alpha=alpha, add_tail=add_tail, temperature=temperature, chunk_size=chunk_size
         )
         assert got.shape == (13,)
@@ -659,7 +660,7 @@ def test_chunked_weighted_path_equals_plain(alpha):
     weights = torch.rand(13, generator=torch.Generator().manual_seed(24)) * (torch.arange(13) % 3 > 0)
     expected = (plain_path(*inputs, 6, alpha, True, 0.9) * weights).sum()
     expected_grads = torch.autograd.grad(3.0 * expected, (student_hidden, student_weight))
-    got = losses.sdpo_topk_loss_from_hidden(
+    got = chunked_head.sdpo_topk_loss_from_hidden(
         *inputs, k=6, alpha=alpha, temperature=0.9, chunk_size=5, token_weights=weights
     )
     assert got.dim() == 0
@@ -675,14 +676,15 @@ def test_chunked_trust_region_teacher_and_shared_head():
     student_hidden, student_weight, teacher_hidden, teacher_weight = make_hidden(seed=25)
     expected = plain_path(student_hidden, student_weight, teacher_hidden, teacher_weight, 4, 0.5, True, 1.0, mix=0.4)
     expected_grads = torch.autograd.grad(expected.sum(), (student_hidden, student_weight))
-    got = losses.sdpo_topk_loss_from_hidden(
+    got = chunked_head.sdpo_topk_loss_from_hidden(
         student_hidden, student_weight, teacher_hidden, teacher_weight, k=4, chunk_size=3, teacher_mix=0.4
     )
     got_grads = torch.autograd.grad(got.sum(), (student_hidden, student_weight))
     assert_close_scaled(got, expected)
     for a, b in zip(got_grads, expected_grads):
         assert_close_scaled(a, b)
-    shared = losses.sdpo_topk_loss_from_hidden(student_hidden, student_weight, teacher_hidden, None, k=4, chunk_size=3)
+    shared = chunked_head.sdpo_topk_loss_from_hidden(student_hidden, student_weight, teacher_hidden, None, k=4,
+                                                     chunk_size=3)
     expected_shared = plain_path(student_hidden, student_weight, teacher_hidden, student_weight, 4, 0.5, True, 1.0)
     assert_close_scaled(shared, expected_shared)
 
@@ -691,7 +693,7 @@ def test_chunked_gives_teacher_no_gradient():
     student_hidden, student_weight, teacher_hidden, teacher_weight = make_hidden(seed=26)
     teacher_hidden.requires_grad_(True)
     teacher_weight.requires_grad_(True)
-    loss = losses.sdpo_topk_loss_from_hidden(student_hidden, student_weight, teacher_hidden, teacher_weight, k=3)
+    loss = chunked_head.sdpo_topk_loss_from_hidden(student_hidden, student_weight, teacher_hidden, teacher_weight, k=3)
     loss.sum().backward()
     assert teacher_hidden.grad is None and teacher_weight.grad is None
     assert student_hidden.grad.abs().sum() > 0 and student_weight.grad.abs().sum() > 0
@@ -703,7 +705,7 @@ def test_chunked_gradcheck(alpha, add_tail):
     inputs = make_hidden(num_tokens=5, hidden=3, vocab=9, seed=27)
     student_hidden, student_weight, teacher_hidden, teacher_weight = inputs
     assert torch.autograd.gradcheck(
-        lambda h, w: losses.sdpo_topk_loss_from_hidden(
+        lambda h, w: chunked_head.sdpo_topk_loss_from_hidden(
             h, w, teacher_hidden, teacher_weight, k=3, alpha=alpha, add_tail=add_tail, temperature=0.8, chunk_size=2
         ),
         (student_hidden, student_weight),
@@ -716,7 +718,7 @@ def test_chunked_bfloat16_matches_plain_bfloat16():
     )
     student_hidden.requires_grad_(True)
     student_weight.requires_grad_(True)
-    got = losses.sdpo_topk_loss_from_hidden(
+    got = chunked_head.sdpo_topk_loss_from_hidden(
         student_hidden, student_weight, teacher_hidden, teacher_weight, k=8, chunk_size=4
     )
     assert got.dtype == torch.float32
@@ -735,11 +737,11 @@ def test_chunked_bfloat16_matches_plain_bfloat16():
 def test_chunked_with_no_tokens():
     hidden = torch.zeros(0, 4, requires_grad=True)
     weight = torch.randn(10, 4, requires_grad=True)
-    per_token = losses.sdpo_topk_loss_from_hidden(hidden, weight, hidden.detach(), weight.detach(), k=3)
+    per_token = chunked_head.sdpo_topk_loss_from_hidden(hidden, weight, hidden.detach(), weight.detach(), k=3)
     assert per_token.shape == (0,)
     per_token.sum().backward()
     assert hidden.grad.shape == (0, 4) and weight.grad.abs().sum().item() == 0.0
-    weighted = losses.sdpo_topk_loss_from_hidden(hidden, weight, hidden.detach(), weight.detach(), k=3,
+    weighted = chunked_head.sdpo_topk_loss_from_hidden(hidden, weight, hidden.detach(), weight.detach(), k=3,
                                                  token_weights=torch.zeros(0))
     assert weighted.item() == 0.0
 
@@ -770,7 +772,7 @@ def test_token_logprobs_from_hidden_match_loop_and_plain_gradients(temperature):
     plain = losses.token_logprobs(hidden @ weight.T, targets, temperature)
     want_grads = torch.autograd.grad((plain * grad_output).sum(), (hidden, weight))
     for chunk_size in (1, 4, 11, 64):  # 4 does not divide 11
-        logprobs, entropies = losses.token_logprobs_from_hidden(hidden, weight, targets, temperature, chunk_size)
+        logprobs, entropies = chunked_head.token_logprobs_from_hidden(hidden, weight, targets, temperature, chunk_size)
         assert logprobs.tolist() == pytest.approx(want_logprobs, abs=1e-10)
         assert entropies.tolist() == pytest.approx(want_entropies, abs=1e-10)
         assert not entropies.requires_grad
@@ -783,32 +785,32 @@ def test_token_logprobs_from_hidden_gradcheck():
     hidden, weight = make_hidden(num_tokens=5, hidden=3, vocab=9, seed=34)[:2]
     targets = torch.tensor([0, 8, 3, 3, 5])
     assert torch.autograd.gradcheck(
-        lambda h, w: losses.token_logprobs_from_hidden(h, w, targets, 0.8, chunk_size=2)[0], (hidden, weight))
+        lambda h, w: chunked_head.token_logprobs_from_hidden(h, w, targets, 0.8, chunk_size=2)[0], (hidden, weight))
 
 
 def test_token_logprobs_from_hidden_peaked_rows_and_no_tokens():
     # a row whose softmax is one-hot in float64 has entropy 0 and log p 0 (no 0 * log 0 NaN)
     hidden = torch.tensor([[1000.0, 0.0], [0.0, 0.0]], requires_grad=True)
     weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]], requires_grad=True)
-    logprobs, entropies = losses.token_logprobs_from_hidden(hidden, weight, torch.tensor([0, 2]))
+    logprobs, entropies = chunked_head.token_logprobs_from_hidden(hidden, weight, torch.tensor([0, 2]))
     assert logprobs.tolist() == pytest.approx([0.0, -math.log(3)])
     assert entropies.tolist() == pytest.approx([0.0, math.log(3)])
     logprobs.sum().backward()
     assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
     empty = torch.zeros(0, 2, requires_grad=True)
-    logprobs, entropies = losses.token_logprobs_from_hidden(empty, weight, torch.zeros(0, dtype=torch.long))
+    logprobs, entropies = chunked_head.token_logprobs_from_hidden(empty, weight, torch.zeros(0, dtype=torch.long))
     assert logprobs.shape == entropies.shape == (0,)
     logprobs.sum().backward()
     assert empty.grad.shape == (0, 2)
     with pytest.raises(ValueError, match="head_chunk_size"):
-        losses.token_logprobs_from_hidden(hidden, weight, torch.tensor([0, 2]), chunk_size=-1)
+        chunked_head.token_logprobs_from_hidden(hidden, weight, torch.tensor([0, 2]), chunk_size=-1)
 
 
 def test_token_logprobs_from_hidden_bfloat16_matches_plain_upcast():
     hidden, weight = (x.detach().to(torch.bfloat16).requires_grad_(True)
                       for x in make_hidden(num_tokens=9, hidden=16, vocab=64, seed=35)[:2])
     targets = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(36))
-    logprobs, _ = losses.token_logprobs_from_hidden(hidden, weight, targets, chunk_size=4)
+    logprobs, _ = chunked_head.token_logprobs_from_hidden(hidden, weight, targets, chunk_size=4)
     assert logprobs.dtype == torch.float32
     logprobs.sum().backward()
     assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16

@@ -527,11 +527,11 @@ def policy(vlm_dir):
 
 def loop_logprobs(policy, seqs, response_lens, images, temperature=1.0):
     """Response log-probs [N] as the loop computes them: objectives.pack then the policy's forward."""
-    import losses
+    import chunked_head
     import objectives
     packed = objectives.pack(policy, seqs, response_lens, 0, torch.device("cpu"), images=images)
     with torch.no_grad():
-        return objectives.forward(policy, packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(
+        return objectives.forward(policy, packed, lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(
             h, w, packed.targets, temperature)[0])
 
 
