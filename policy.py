@@ -13,7 +13,7 @@ import data
 import discriminator
 from config import Config
 from objectives import Dist, Models
-from teacher import Reference, Teacher
+from teacher import Reference, Teacher, local_tensor
 
 
 def setup_distributed() -> Dist:
@@ -136,16 +136,75 @@ class CausalLM(torch.nn.Module):
 
 
 def load_policy(model_dir: str, cfg: Config, world: int, device):
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # a bar per model loaded (policy, teacher, reference) says nothing
-    vision = data.ImagePrompts(model_dir) if data.is_vision_language(model_dir) else None
-    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    hf = auto.from_pretrained(model_dir, dtype=torch.float32)
+    """The HF model in model_dir as a CausalLM on device, float32, FSDP2-sharded when world > 1.
+
+    One process (world 1) reads the checkpoint and moves it to the device, as before. Under
+    torchrun rank 0 alone reads the checkpoint, in its own dtype, on the CPU; every rank builds
+    the model on the meta device (no memory), shards it and allocates only its own float32
+    shards on the device; the weights then arrive by broadcast from rank 0, one tensor at a
+    time, each rank keeping its slice (torch's set_model_state_dict with
+    broadcast_from_rank0). So no rank but 0 ever holds the whole model, and no device holds
+    more than its shards plus one tensor (docs/scale.md has the figures)."""
+    if world == 1:
+        hf = _auto_class(model_dir).from_pretrained(model_dir, dtype=torch.float32)
+        if cfg.model.gradient_checkpointing:
+            hf.gradient_checkpointing_enable()
+        return CausalLM(hf, _vision(model_dir)).to(device)
+    model = empty_policy(model_dir, cfg, world, device)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    full, buffers = {}, {}
+    if dist.get_rank() == 0:  # the checkpoint in its own dtype (bf16 for most real models): half the float32 bytes
+        source = _auto_class(model_dir).from_pretrained(model_dir, dtype="auto")
+        full, buffers = source.state_dict(), dict(source.named_buffers())
+    set_model_state_dict(model.hf, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    # buffers outside the state dict (rotary frequencies) were left uninitialised by to_empty
+    for name, buffer in model.hf.named_buffers():
+        if dist.get_rank() == 0:
+            buffer.copy_(buffers[name])
+        dist.broadcast(buffer, src=0)
+    return model
+
+
+def empty_policy(model_dir: str, cfg: Config, world: int, device) -> "CausalLM":
+    """model_dir's architecture, FSDP2-sharded when world > 1, with uninitialised float32
+    weights allocated on device: built on the meta device, sharded, then each rank's own
+    shards allocated (to_empty). load_policy and copy_policy fill it."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        hf = _auto_class(model_dir).from_config(config, dtype=torch.float32)
     if cfg.model.gradient_checkpointing:
         hf.gradient_checkpointing_enable()
-    model = CausalLM(hf, vision).to(device)
-    return shard(model, world, device)
+    model = shard(CausalLM(hf, _vision(model_dir)), world, device).to_empty(device=device)
+    if world == 1:  # to_empty gives each module its own tensor, which unties a tied LM head (FSDP2 keeps it)
+        model.hf.tie_weights()
+    return model
+
+
+@torch.no_grad()
+def copy_policy(policy: "CausalLM", model_dir: str, cfg: Config, world: int, device) -> "CausalLM":
+    """A copy of the policy built like it (same wrapper, same sharding) holding its current
+    weights: each rank copies its own shards, with no read from disk and no collective (the
+    SDPO teacher and the DPO reference start as the policy)."""
+    copy = empty_policy(model_dir, cfg, world, device)
+    for (_, target), (_, source) in zip(copy.named_parameters(), policy.named_parameters(), strict=True):
+        local_tensor(target).copy_(local_tensor(source))
+    for (_, target), (_, source) in zip(copy.named_buffers(), policy.named_buffers(), strict=True):
+        target.copy_(source)
+    return copy
+
+
+def _auto_class(model_dir: str):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # a bar per model loaded says nothing
+    return AutoModelForImageTextToText if data.is_vision_language(model_dir) else AutoModelForCausalLM
+
+
+def _vision(model_dir: str):
+    """A vision-language model's image processor; None for a text model."""
+    return data.ImagePrompts(model_dir) if data.is_vision_language(model_dir) else None
 
 
 def shard(model: CausalLM, world: int, device):
@@ -191,11 +250,12 @@ def build_trainer(cfg: Config, objective, model_dir: str, d: Dist) -> Trainer:
                                   weight_decay=cfg.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
     models = Models(policy)
+    initial = lambda: copy_policy(policy, model_dir, cfg, d.world, d.device)  # before any update: the initial weights
     if "teacher" in objective.models:
-        copy = load_policy(model_dir, cfg, d.world, d.device) if cfg.sdpo.teacher != "live" else None
-        models.teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate, copy)
+        models.teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate,
+                                 initial() if cfg.sdpo.teacher != "live" else None)
     if "reference" in objective.models and not cfg.dpo.reference_free:
-        models.reference = Reference(load_policy(model_dir, cfg, d.world, d.device), cfg.dpo.ref_update_every)
+        models.reference = Reference(initial(), cfg.dpo.ref_update_every)
     if "discriminator" in objective.models:
         o, g = cfg.optim, cfg.gad
         network = discriminator.load(g.disc_path or model_dir, cfg.train.seed, d.world, d.device, g.pool)

@@ -1,0 +1,61 @@
+"""Sharded loading on two ranks under torchrun (run by tests/test_load.py, not collected by pytest):
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 --master_port=PORT \
+        tests/dist_load.py MODEL_DIR OUT_DIR
+
+Each rank loads the model twice: by policy.load_policy (rank 0 reads the checkpoint, the
+other rank builds on the meta device, the weights arrive by broadcast) and the way every rank
+loaded it before (each reads the whole float32 checkpoint, then shards it), and takes the
+gradient of one loss on the same sequence through each; rank 0 writes both models' full
+weights, buffers and gradients (result.pt), and a copy_policy copy's weights, which the test
+compares.
+"""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from conftest import exit_now  # noqa: E402
+
+
+def main(model_dir, out_dir, d):
+    import torch
+
+    import data
+    import losses
+    import run
+    from policy import CausalLM, _auto_class, _vision, copy_policy, load_policy, shard
+    from teacher import full_tensor
+
+    cfg = run.Config()
+    tokenizer = run.load_tokenizer(model_dir)
+    ids = tokenizer("a sequence to take the gradient of, long enough for several tokens")["input_ids"]
+    packed = data.pack([ids], [len(ids) - 1], run.pad_token_id(tokenizer), d.device)
+
+    def weights_and_grads(model):
+        loss = model(packed, lambda h, w: -losses.token_logprobs(h @ w.T, packed.targets).mean())
+        loss.backward()
+        return ({n: full_tensor(p).detach().clone() for n, p in model.named_parameters()},
+                {n: b.detach().clone() for n, b in model.named_buffers()},
+                {n: full_tensor(p.grad).detach().clone() for n, p in model.named_parameters()})
+
+    sharded = load_policy(model_dir, cfg, d.world, d.device)
+    copy = copy_policy(sharded, model_dir, cfg, d.world, d.device)
+    copied = {n: full_tensor(p).detach().clone() for n, p in copy.named_parameters()}
+    copied_buffers = {n: b.detach().clone() for n, b in copy.named_buffers()}
+    new = weights_and_grads(sharded)
+    # the way every rank loaded before: the whole float32 checkpoint on each, then sharded
+    hf = _auto_class(model_dir).from_pretrained(model_dir, dtype=torch.float32)
+    old = weights_and_grads(shard(CausalLM(hf, _vision(model_dir)).to(d.device), d.world, d.device))
+    if d.rank == 0:
+        torch.save({"new": new, "old": old, "copy": (copied, copied_buffers),
+                    "sharded": all(hasattr(p, "to_local") for p in sharded.parameters())},
+                   os.path.join(out_dir, "result.pt"))
+
+
+if __name__ == "__main__":
+    import run
+    d = run.setup_distributed()
+    main(sys.argv[1], sys.argv[2], d)
+    run.end_distributed(d)
+    exit_now()
