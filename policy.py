@@ -135,7 +135,7 @@ class CausalLM(torch.nn.Module):
         return {"inputs_embeds": embeds}
 
 
-def load_policy(model_dir: str, cfg: Config, world: int, device):
+def load_policy(model_dir: str, cfg: Config, world: int, device, from_rank0: bool | None = None):
     """The HF model in model_dir as a CausalLM on device, float32, FSDP2-sharded when world > 1.
 
     One process (world 1) reads the checkpoint and moves it to the device, as before. Under
@@ -144,12 +144,13 @@ def load_policy(model_dir: str, cfg: Config, world: int, device):
     shards on the device; the weights then arrive by broadcast from rank 0, one tensor at a
     time, each rank keeping its slice (torch's set_model_state_dict with
     broadcast_from_rank0). So no rank but 0 ever holds the whole model, and no device holds
-    more than its shards plus one tensor (docs/scale.md has the figures)."""
-    if world == 1:
+    more than its shards plus one tensor (docs/scale.md has the figures). from_rank0: the
+    broadcast path also at world 1 (a bench's one-rank process group); default world > 1."""
+    if not (world > 1 if from_rank0 is None else from_rank0):
         hf = _auto_class(model_dir).from_pretrained(model_dir, dtype=torch.float32)
         if cfg.model.gradient_checkpointing:
             hf.gradient_checkpointing_enable()
-        return CausalLM(hf, _vision(model_dir)).to(device)
+        return shard(CausalLM(hf, _vision(model_dir)).to(device), world, device)
     model = empty_policy(model_dir, cfg, world, device)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     full, buffers = {}, {}
@@ -177,7 +178,7 @@ def empty_policy(model_dir: str, cfg: Config, world: int, device) -> "CausalLM":
     if cfg.model.gradient_checkpointing:
         hf.gradient_checkpointing_enable()
     model = shard(CausalLM(hf, _vision(model_dir)), world, device).to_empty(device=device)
-    if world == 1:  # to_empty gives each module its own tensor, which unties a tied LM head (FSDP2 keeps it)
+    if not model.sharded:  # to_empty gives each module its own tensor, which unties a tied LM head (FSDP2 keeps it)
         model.hf.tie_weights()
     return model
 
