@@ -39,8 +39,20 @@ def main(model_dir, out_dir, d):
                 {n: b.detach().clone() for n, b in model.named_buffers()},
                 {n: full_tensor(p.grad).detach().clone() for n, p in model.named_parameters()})
 
+    import policy
+    read_anywhere = policy._auto_class
+    if d.rank != 0:  # rank 1 builds from the config alone: reading the checkpoint fails it
+
+        class ConfigOnly:
+            def __init__(self, auto):
+                self.from_config = auto.from_config
+
+            def from_pretrained(self, *args, **kwargs):
+                raise AssertionError(f"rank {d.rank} read the checkpoint")
+        policy._auto_class = lambda path: ConfigOnly(read_anywhere(path))
     sharded = load_policy(model_dir, cfg, d.world, d.device)
     copy = copy_policy(sharded, model_dir, cfg, d.world, d.device)
+    policy._auto_class = read_anywhere
     copied = {n: full_tensor(p).detach().clone() for n, p in copy.named_parameters()}
     copied_buffers = {n: b.detach().clone() for n, b in copy.named_buffers()}
     new = weights_and_grads(sharded)
