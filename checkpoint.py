@@ -2,13 +2,16 @@
 --train.resume), the final model as an ordinary HF directory, and the out_dir's checks at the
 start. Every directory is written under a .partial name and renamed when complete, so that a
 killed run never leaves a half-written one under a name that is read later."""
+import contextlib
 import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,6 +25,35 @@ from rollout import full_state_dict, rank0_call
 RUN_RECORDS = ("metrics.jsonl", "samples.jsonl", "final", "eval_rows.jsonl")
 FIRST_EVAL = "first_eval.json"  # in a checkpoint: the held-out rows' success at step 0
 NEXT_BATCH = "next_batch.pt"  # in a checkpoint of a run generating ahead: the batch of its next step
+RUNS_DIR = "runs"  # the folders of runs without --log.out_dir, under the working directory
+
+
+def run_dir(cfg: Config) -> str:
+    """The run's folder: --log.out_dir; without it, the resumed run's folder (--train.resume),
+    else a new one, runs/<date>-<time>-<algo>-<task> (sorting by start, saying what ran; a
+    suffix where two start in the same second), created here, with runs/latest linked to it."""
+    if cfg.log.out_dir:
+        return cfg.log.out_dir
+    if cfg.train.resume:
+        return os.path.dirname(checkpoint_path(cfg.train.resume).rstrip(os.sep))
+    task = re.sub(r"[^\w-]+", "_", os.path.basename(cfg.data.task.rstrip(os.sep)).split(".")[0])  # a file: its name
+    stem = os.path.join(RUNS_DIR, f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algo.name}-{task}")
+    path, n = stem, 1
+    while True:
+        try:
+            os.makedirs(path)  # not exist_ok: the folder is this run's alone
+            break
+        except FileExistsError:
+            n += 1
+            path = f"{stem}-{n}"
+        except OSError as e:
+            raise OSError(e.errno, f"cannot create the run folder {path} ({e.strerror}): run from a writable "
+                                   f"directory or pass --log.out_dir") from None
+    link = os.path.join(RUNS_DIR, "latest")
+    with contextlib.suppress(OSError):  # a file system without links: only the link is missing
+        os.symlink(os.path.basename(path), link + f".{os.getpid()}")
+        os.replace(link + f".{os.getpid()}", link)
+    return path
 
 
 def check_out_dir(cfg: Config, resuming: bool, model_dir: str = "", objective=None):

@@ -254,7 +254,10 @@ class TrainConfig:
 
 @dataclass
 class LogConfig:
-    out_dir: str = "runs/default"
+    # empty: a new folder per run, runs/<date>-<time>-<algo>-<task> under the working directory
+    # (runs/latest links to the newest; with --train.resume: the resumed run's folder). A folder
+    # given here that holds an earlier run is refused unless resuming or --log.overwrite=True
+    out_dir: str = ""
     overwrite: bool = False  # replace an earlier run's records in out_dir (else the run refuses to start there)
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "sdpo"

@@ -54,7 +54,8 @@ class Logger:
             import wandb
             # its banner (integrations it detected, product hints) means nothing here: one line instead
             os.environ.setdefault("WANDB_SILENT", "true")
-            self.run = wandb.init(project=cfg.log.wandb_project, name=cfg.log.run_name or None, mode=cfg.log.wandb_mode,
+            name = cfg.log.run_name or os.path.basename(cfg.log.out_dir.rstrip(os.sep))  # the run's folder
+            self.run = wandb.init(project=cfg.log.wandb_project, name=name, mode=cfg.log.wandb_mode,
                                   dir=cfg.log.out_dir, config=dataclasses.asdict(cfg), reinit="finish_previous")
             print(f"wandb ({cfg.log.wandb_mode}): {os.path.dirname(self.run.dir)}", flush=True)
 

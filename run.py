@@ -20,7 +20,7 @@ import torch
 
 import data
 import objectives
-from checkpoint import check_out_dir, checkpoint_path, load_checkpoint, save_checkpoint, save_hf
+from checkpoint import check_out_dir, checkpoint_path, load_checkpoint, run_dir, save_checkpoint, save_hf
 from config import Config, describe, parse_config
 from data import batch_rows, read_rows, stream_seed
 from evaluate import baseline_evaluation, evaluate, evaluate_only, evaluate_start, evaluation_due, success_rate
@@ -348,8 +348,10 @@ def ctrl_c_wins():
 def main(argv=None):
     cfg = parse_config(argv)
     d = setup_distributed()
+    cfg.log.out_dir = rank0_call(d, lambda: run_dir(cfg))  # named once, on rank 0
     if d.rank == 0:
         print(describe(cfg), flush=True)
+        print(f"out_dir: {cfg.log.out_dir}", flush=True)
     rank0_call(d, lambda: check_out_dir(cfg, resuming=bool(cfg.train.resume)))  # not after the warm start
     if cfg.data.task not in data.TASKS and not cfg.model.path:  # a file's rows, before a warm start's minutes
         rank0_call(d, lambda: load_data(cfg), share=False)

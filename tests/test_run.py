@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import checkpoint
 import data
 import feedback
 import objectives
@@ -35,28 +36,66 @@ ONE_PROCESS = run.Dist(0, 1, CPU)
 # flags
 
 
-def test_sweep_file_command_lines_parse():
-    import itertools
-
+def _sweep():
     import yaml
     with open(os.path.join(ROOT, "sweeps", "sdpo_alpha_topk.yaml")) as f:
-        sweep = yaml.safe_load(f)
-    assert sweep["program"] == "run.py"
-    params = sweep["parameters"]
-    names = list(params)
+        return yaml.safe_load(f)
+
+
+def _sweep_grid():
+    """The shipped sweep's grid points, as `wandb agent` passes them: --name=value each."""
+    import itertools
+    params = _sweep()["parameters"]
     choices = [p["values"] if "values" in p else [p["value"]] for p in params.values()]
-    combos = list(itertools.product(*choices))
-    assert len(combos) == 12
-    for combo in combos:
-        # what `wandb agent` passes: --name=value with Python's str() of the value
-        cfg = run.parse_config([f"--{n}={v}" for n, v in zip(names, combo)])
-        values = dict(zip(names, combo))
+    return [[f"--{n}={v}" for n, v in zip(params, combo)] for combo in itertools.product(*choices)]
+
+
+def test_sweep_file_command_lines_parse():
+    assert _sweep()["program"] == "run.py"
+    grid = _sweep_grid()
+    assert len(grid) == 12
+    for point in grid:
+        cfg = run.parse_config(point)
+        values = dict(a[2:].split("=", 1) for a in point)  # Python's str() of each value, as the agent passes it
         assert cfg.algo.name == values["algo"]
-        assert cfg.sdpo.alpha == values["sdpo.alpha"]
-        assert cfg.sdpo.topk == values["sdpo.topk"]
-        assert cfg.sdpo.teacher_rate == values["sdpo.teacher_rate"]
+        assert cfg.sdpo.alpha == float(values["sdpo.alpha"])
+        assert cfg.sdpo.topk == int(values["sdpo.topk"])
+        assert cfg.sdpo.teacher_rate == float(values["sdpo.teacher_rate"])
         assert cfg.sdpo.add_tail is True
         assert cfg.log.wandb_mode == "online"
+
+
+def test_runs_without_out_dir_get_a_folder_each_and_latest_links_the_newest(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(checkpoint.time, "strftime", lambda fmt: "20261127-120000")  # two starts in one second
+    cfg = run.parse_config(["--algo=grpo", "--data.task=/data/My Set.v2.jsonl"])
+    first, second = run.run_dir(cfg), run.run_dir(cfg)
+    assert re.fullmatch(r"runs/\d{8}-\d{6}-grpo-My_Set", first) and second == first + "-2"
+    assert os.path.realpath("runs/latest") == os.path.realpath(second)
+    assert run.run_dir(run.parse_config([f"--log.out_dir={tmp_path}/mine"])) == f"{tmp_path}/mine"
+    os.makedirs(os.path.join(first, "checkpoint-3", ".metadata"))
+    assert run.run_dir(run.parse_config([f"--train.resume={first}"])) == first  # resuming: the run's own folder
+
+
+@pytest.mark.slow
+def test_the_sweeps_first_two_points_run_back_to_back_each_in_its_own_folder(tmp_path):
+    """What a user's second `python run.py` and a sweep agent's second run do: start, in a new
+    folder with its own wandb run (offline here: no network), runs/latest the newest."""
+    small = [a for a in SMALL if not a.startswith("--log.wandb_mode")] + ["--log.wandb_mode=offline"]
+    dirs = []
+    for point in _sweep_grid()[:2]:
+        agent_args = [a for a in point if not a.startswith("--log.wandb_mode")]  # online needs the network
+        proc = _run(agent_args + small, cwd=tmp_path)
+        dirs.append(re.search(r"^out_dir: (.+)$", proc.stdout, re.M).group(1))
+    assert dirs[0] != dirs[1] and all(d.startswith("runs/") for d in dirs)
+    assert os.path.realpath(tmp_path / "runs" / "latest") == os.path.realpath(tmp_path / dirs[1])
+    for d, point in zip(dirs, _sweep_grid()[:2]):
+        assert [r["step"] for r in _metrics(tmp_path / d)] == [0, 1, 2]
+        with open(tmp_path / d / "config.json") as f:
+            saved = json.load(f)
+        assert f"--sdpo.teacher_rate={saved['sdpo']['teacher_rate']}" in point  # the agent's values
+        assert saved["sdpo"]["topk"] == 16 and saved["log"]["out_dir"] == d  # flags after the agent's win
+        assert os.path.isdir(tmp_path / d / "wandb")
 
 
 def test_algo_flag_and_nested_flags():
@@ -733,12 +772,12 @@ def _metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
-def _run(args, nproc=1, timeout=420):
+def _run(args, nproc=1, timeout=420, cwd=ROOT):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, os.path.join(ROOT, "run.py")] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
          os.path.join(ROOT, "run.py")]
-    proc = subprocess.run(cmd + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
