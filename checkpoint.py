@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from config import Config
+from data import PathError
 from objectives import Dist
 from policy import Trainer
 from rollout import full_state_dict, rank0_call
@@ -47,8 +48,8 @@ def run_dir(cfg: Config) -> str:
             n += 1
             path = f"{stem}-{n}"
         except OSError as e:
-            raise OSError(e.errno, f"cannot create the run folder {path} ({e.strerror}): run from a writable "
-                                   f"directory or pass --log.out_dir") from None
+            raise PathError(f"cannot create the run folder {path} ({e.strerror}): run from a writable "
+                            f"directory or pass --log.out_dir") from None
     link = os.path.join(RUNS_DIR, "latest")
     with contextlib.suppress(OSError):  # a file system without links: only the link is missing
         os.symlink(os.path.basename(path), link + f".{os.getpid()}")
@@ -67,7 +68,7 @@ def check_out_dir(cfg: Config, resuming: bool, model_dir: str = "", objective=No
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as e:
-        raise OSError(e.errno, f"--log.out_dir {out} is not writable: {e.strerror}") from e
+        raise PathError(f"--log.out_dir {out} is not writable: {e.strerror}") from e
     if not resuming:
         check_no_earlier_run(out, cfg.log.overwrite)
     if not model_dir:
@@ -78,8 +79,8 @@ def check_out_dir(cfg: Config, resuming: bool, model_dir: str = "", objective=No
     need, total = model + min(saves, 1) * copies * model, model + saves * copies * model
     free = shutil.disk_usage(out).free
     if free < need:
-        raise OSError(28, f"--log.out_dir {out} has {free / 2**30:.3g} GiB free; the run writes at least "
-                          f"{need / 2**30:.3g} GiB (the final model and a checkpoint)")  # 28: ENOSPC
+        raise PathError(f"--log.out_dir {out} has {free / 2**30:.3g} GiB free; the run writes at least "
+                        f"{need / 2**30:.3g} GiB (the final model and a checkpoint)")
     if free < total:
         print(f"warning: --log.out_dir {out} has {free / 2**30:.3g} GiB free; the run's {saves} checkpoints "
               f"and final model take {total / 2**30:.3g} GiB", file=sys.stderr)
@@ -89,9 +90,9 @@ def check_no_earlier_run(out: str, overwrite: bool):
     """An out_dir with an earlier run's records is refused, or with overwrite emptied of them."""
     earlier = sorted(name for name in os.listdir(out) if name.startswith("checkpoint-") or name in RUN_RECORDS)
     if earlier and not overwrite:
-        raise FileExistsError(f"--log.out_dir {out} holds an earlier run ({', '.join(earlier[-3:])}): continue it "
-                              f"with --train.resume {out}, replace it with --log.overwrite=True, or choose another "
-                              f"--log.out_dir")
+        raise PathError(f"--log.out_dir {out} holds an earlier run ({', '.join(earlier[-3:])}): continue it "
+                        f"with --train.resume {out}, replace it with --log.overwrite=True, or choose another "
+                        f"--log.out_dir")
     for name in earlier:
         path = os.path.join(out, name)
         if os.path.isdir(path):
@@ -147,10 +148,10 @@ def load_checkpoint(path: str, trainer: Trainer, cfg: Config, d: Dist):
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as e:  # torch names neither the directory nor the file
-        raise RuntimeError(f"--train.resume: the checkpoint {path} cannot be read ({type(e).__name__}: "
-                           f"{str(e).splitlines()[-1][:300] if str(e) else ''}); its files: "
-                           f"{', '.join(sorted(os.listdir(path)))}. Resume from an earlier checkpoint-N "
-                           f"of the run") from e
+        raise PathError(f"--train.resume: the checkpoint {path} cannot be read ({type(e).__name__}: "
+                        f"{str(e).splitlines()[-1][:300] if str(e) else ''}); its files: "
+                        f"{', '.join(sorted(os.listdir(path)))}. Resume from an earlier checkpoint-N "
+                        f"of the run") from e
     set_state_dict(trainer.models.policy, trainer.optimizer, model_state_dict=state["policy"],
                    optim_state_dict=state["optimizer"])
     for name in ("teacher", "reference", "discriminator"):
@@ -177,8 +178,8 @@ def checkpoint_path(resume: str) -> str:
     steps = [int(m.group(1)) for m in map(re.compile(r"checkpoint-(\d+)").fullmatch,
                                            os.listdir(resume) if os.path.isdir(resume) else []) if m]
     if not steps:
-        raise FileNotFoundError(f"--train.resume {resume}: neither a checkpoint nor a run directory holding one "
-                                "(checkpoint-N, written by --train.save_every)")
+        raise PathError(f"--train.resume {resume}: neither a checkpoint nor a run directory holding one "
+                        "(checkpoint-N, written by --train.save_every)")
     return os.path.join(resume, f"checkpoint-{max(steps)}")
 
 

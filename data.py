@@ -122,7 +122,7 @@ def grid_positions(grid: int) -> list[str]:
     rows = {1: ["middle"], 2: ["top", "bottom"], 3: ["top", "middle", "bottom"]}
     cols = {1: ["centre"], 2: ["left", "right"], 3: ["left", "centre", "right"]}
     if grid not in rows:
-        raise ValueError(f"shapes_grid must be 1, 2 or 3, got {grid}")
+        raise FlagError(f"--data.shapes_grid={grid}: must be 1, 2 or 3")
     return [f"{r} {c}" if grid > 1 else "centre" for r in rows[grid] for c in cols[grid]]
 
 
@@ -157,7 +157,7 @@ def check_kinds(value: str, flag: str, known) -> list[str]:
     """The kinds a comma-separated flag value lists; a ValueError naming the flag if one is unknown."""
     kinds = value.split(",")
     if unknown := set(kinds) - set(known):
-        raise ValueError(f"--data.{flag}={value}: unknown kinds {sorted(unknown)}; use any of {', '.join(known)}")
+        raise FlagError(f"--data.{flag}={value}: unknown kinds {sorted(unknown)}; use any of {', '.join(known)}")
     return kinds
 
 
@@ -165,7 +165,8 @@ def _shapes_row(rng: random.Random, cfg: TaskConfig) -> dict:
     positions, colours = grid_positions(cfg.shapes_grid), cfg.shapes_colours.split(",")
     kinds_asked = check_kinds(cfg.shapes_questions, "shapes_questions", SHAPES_QUESTION_KINDS)
     if not 1 <= cfg.shapes_max <= len(positions):
-        raise ValueError(f"shapes_max must be 1..{len(positions)} for a {cfg.shapes_grid}x{cfg.shapes_grid} grid")
+        raise FlagError(f"--data.shapes_max={cfg.shapes_max}: must be 1..{len(positions)} for a "
+                        f"{cfg.shapes_grid}x{cfg.shapes_grid} grid")
     n = rng.randint(1, cfg.shapes_max)
     shapes = [{"kind": rng.choice(SHAPE_KINDS), "colour": rng.choice(colours), "cell": cell,
                "scale": rng.choice((0.5, 0.6, 0.7)), "dx": rng.choice((-0.1, 0.0, 0.1)), "dy": rng.choice((-0.1, 0.0, 0.1))}
@@ -191,11 +192,11 @@ def _shapes_row(rng: random.Random, cfg: TaskConfig) -> dict:
         question, answer = position(rng.choice(once(lambda s: (s["colour"], s["kind"]))))
     else:
         if not 1 <= cfg.shapes_quiz_questions <= 26:
-            raise ValueError(f"--data.shapes_quiz_questions={cfg.shapes_quiz_questions}: questions are labelled "
+            raise FlagError(f"--data.shapes_quiz_questions={cfg.shapes_quiz_questions}: questions are labelled "
                              f"a-z, so 1 to 26")
         quiz_kinds = cfg.shapes_quiz_kinds.split(",")
         if unknown := set(quiz_kinds) - {"count", "colour", "position"}:
-            raise ValueError(f"--data.shapes_quiz_kinds: unknown kinds {sorted(unknown)}; use count, colour, position")
+            raise FlagError(f"--data.shapes_quiz_kinds: unknown kinds {sorted(unknown)}; use count, colour, position")
         # every question the picture answers unambiguously, in a fixed order (count, colours, positions)
         pool = [count] * ("count" in quiz_kinds) + \
             [colour(s) for s in once(lambda s: s["kind"]) if "colour" in quiz_kinds] + \
@@ -220,9 +221,9 @@ def _shapes_row(rng: random.Random, cfg: TaskConfig) -> dict:
 
 def _quiz_row(rng: random.Random, cfg: TaskConfig) -> dict:
     if not 1 <= cfg.quiz_questions <= 26:
-        raise ValueError(f"--data.quiz_questions={cfg.quiz_questions}: questions are labelled a-z, so 1 to 26")
+        raise FlagError(f"--data.quiz_questions={cfg.quiz_questions}: questions are labelled a-z, so 1 to 26")
     if cfg.quiz_feedback not in QUIZ_FEEDBACK:
-        raise ValueError(f"--data.quiz_feedback={cfg.quiz_feedback!r}: choose from {QUIZ_FEEDBACK}")
+        raise FlagError(f"--data.quiz_feedback={cfg.quiz_feedback!r}: choose from {QUIZ_FEEDBACK}")
     questions = []
     for label in string.ascii_lowercase[:cfg.quiz_questions]:
         a, b, op = rng.randint(2, cfg.quiz_max), rng.randint(2, cfg.quiz_max), rng.choice(cfg.quiz_ops)
@@ -300,7 +301,7 @@ def task_rows(task: str, split: str, n: int, seed: int = 0, cfg: TaskConfig | No
     """n distinct rows of a synthetic task's split ("train" or "test"), deterministic in seed;
     at_most: up to n, all there are where the split has fewer (the held-out rows)."""
     if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; choose from {sorted(TASKS)}")
+        raise FlagError(f"unknown task {task!r}; choose from {sorted(TASKS)}")
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     cfg = cfg or TaskConfig()
@@ -317,7 +318,7 @@ def task_rows(task: str, split: str, n: int, seed: int = 0, cfg: TaskConfig | No
             return rows
     if at_most and rows:
         return rows
-    raise ValueError(f"task {task!r} has fewer than {n} distinct {split} rows at this difficulty; "
+    raise DataError(f"task {task!r} has fewer than {n} distinct {split} rows at this difficulty; "
                      f"got {len(rows)} (raise the difficulty or lower n)")
 
 
@@ -328,8 +329,26 @@ FIELDS = ("prompt", "answer", "tests", "teacher_response", "system", "uid", "ima
 IMAGE_PLACEHOLDER = "<image>"  # marks where an image of the `images` field goes in a string prompt (verl's geo3k)
 
 
-class DataError(ValueError):
-    pass
+class UserError(Exception):
+    """A mistake in what the user gave (a flag, a data file, a model path, the out_dir, a
+    checkpoint, a reward's setup), with a message that names it and says what to do: the
+    command line prints the message alone and exits with exit_code (run.py, `--debug` shows the
+    traceback). A bug raises any other type and keeps its traceback."""
+    exit_code = 1
+
+
+class FlagError(UserError, ValueError):
+    """A flag's value that cannot work (exit status 2, as for a flag the parser rejects)."""
+    exit_code = 2
+
+
+class PathError(UserError, OSError):
+    """A path given that cannot serve: a missing model directory or checkpoint, an out_dir that
+    cannot be written, is full or holds an earlier run."""
+
+
+class DataError(UserError, ValueError):
+    """A data file, row or field that cannot be read as the run needs it."""
 
 
 def parse_field_map(spec: str) -> dict:
@@ -734,7 +753,7 @@ def keep_images(tokenizer, ids: list[int], cut: list[int], limit: str) -> list[i
     half-cut placeholder would no longer match the row's images."""
     vision = set(tokenizer.convert_tokens_to_ids([t for t in VISION_TOKENS if t in tokenizer.get_vocab()]))
     if sum(t in vision for t in cut) != sum(t in vision for t in ids):
-        raise ValueError(f"a prompt with images is {len(ids)} tokens (before its image tokens are expanded); "
+        raise DataError(f"a prompt with images is {len(ids)} tokens (before its image tokens are expanded); "
                          f"cutting it to {len(cut)} would cut through an image: raise {limit}")
     return cut
 
@@ -744,7 +763,7 @@ def reference_response_ids(tokenizer, row: dict, eos_id: int, needed_by: str, ke
     finished generation ends (a last-token difference is the one thing a comparison must not
     learn). needed_by names the flag that asked for it, for the error on a row without one."""
     if not row.get(key):
-        raise ValueError(f"{row['source']}: {needed_by} needs a reference response (field 'teacher_response')")
+        raise DataError(f"{row['source']}: {needed_by} needs a reference response (field 'teacher_response')")
     return tokenizer(row[key], add_special_tokens=False)["input_ids"] + [eos_id]
 
 
@@ -1021,7 +1040,7 @@ def check_model_dir(path: str, flag: str = "--model.path") -> str:
     and what is missing. (Transformers, given a directory without a tokenizer, complains about
     sentencepiece and names no directory.)"""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{flag} {path}: no such directory; {MODEL_DIR}")
+        raise PathError(f"{flag} {path}: no such directory; {MODEL_DIR}")
     if not os.path.isdir(path):
         raise DataError(f"{flag} {path}: not a directory; {MODEL_DIR}")
     names = os.listdir(path)

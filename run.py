@@ -21,7 +21,7 @@ import torch
 import data
 import objectives
 from checkpoint import check_out_dir, checkpoint_path, load_checkpoint, run_dir, save_checkpoint, save_hf
-from config import Config, describe, parse_config
+from config import Config, debugging, describe, parse_config
 from data import batch_rows, read_rows, stream_seed
 from evaluate import baseline_evaluation, evaluate, evaluate_only, evaluate_start, evaluation_due, success_rate
 from logger import Logger, step_time
@@ -367,5 +367,22 @@ def main(argv=None):
     return metrics
 
 
+def cli(argv=None) -> int:
+    """main() for the command line. A user's mistake (a data.UserError: a flag, a data file, a
+    path, a checkpoint, a reward's setup; a code sandbox that cannot isolate) prints its message
+    alone, once, and the exit status is non-zero (2 for a flag); --debug or SDPO_DEBUG=1 show the
+    traceback. Any other exception is a bug and keeps its traceback."""
+    from feedback.sandbox import SandboxUnavailable
+    try:
+        main(argv)
+    except (data.UserError, SandboxUnavailable) as e:
+        if debugging(argv):
+            raise
+        if os.environ.get("RANK", "0") == "0" and not getattr(e, "reported", False):  # once, under torchrun too
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return getattr(e, "exit_code", 1)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -818,7 +818,7 @@ def test_an_exact_copy_of_a_row_is_dropped_with_a_warning(tmp_path, capsys):
 def test_check_model_dir_names_the_path_and_what_is_missing(tmp_path, tiny_dir):
     assert data.check_model_dir(tiny_dir) == tiny_dir
     missing = str(tmp_path / "nowhere")
-    with pytest.raises(FileNotFoundError, match=rf"^--model.path {re.escape(missing)}: no such directory; "
+    with pytest.raises(data.PathError, match=rf"^--model.path {re.escape(missing)}: no such directory; "
                                                 r"a model directory holds config.json"):
         data.check_model_dir(missing)
     (tmp_path / "model.safetensors").write_text("")

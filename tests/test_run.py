@@ -98,12 +98,60 @@ def test_the_sweeps_first_two_points_run_back_to_back_each_in_its_own_folder(tmp
         assert os.path.isdir(tmp_path / d / "wandb")
 
 
+def test_user_errors_print_their_message_alone_and_exit_non_zero(tmp_path, monkeypatch, capsys):
+    """A flag, a data file, a model path, a used out_dir, a checkpoint, a reward's setup: one
+    message naming it, no traceback, exit status 2 for a flag, 1 otherwise; --debug raises."""
+    monkeypatch.chdir(tmp_path)
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "metrics.jsonl").write_text("")
+    cases = [(["--optim.lr=-0.001"], 2, "--optim.lr=-0.001: must be > 0"),
+             (["--optim.lrr=1"], 2, "--optim.lrr=1; did you mean --optim.lr?"),
+             (["--train.steps=two"], 2, "--train.steps"),
+             (["--data.reward=nope"], 2, "--data.reward: unknown reward function 'nope'"),
+             ([f"--data.task={tmp_path / 'none.jsonl'}"], 1, f"{tmp_path / 'none.jsonl'}: no such file"),
+             ([f"--model.path={tmp_path / 'none'}"], 1, f"--model.path {tmp_path / 'none'}: no such directory"),
+             ([f"--log.out_dir={used}"], 1, f"--log.out_dir {used} holds an earlier run"),
+             ([f"--train.resume={tmp_path}"], 1, f"--train.resume {tmp_path}: neither a checkpoint")]
+    for argv, status, message in cases:
+        assert run.cli(argv) == status, argv
+        err = capsys.readouterr().err
+        assert message in err and err.startswith("error: ") and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) <= 3, err
+    with pytest.raises(data.FlagError):
+        run.cli(["--optim.lr=-0.001", "--debug"])
+    monkeypatch.setenv("SDPO_DEBUG", "1")
+    with pytest.raises(data.PathError):
+        run.cli([f"--log.out_dir={used}"])
+
+
+@pytest.mark.slow
+def test_a_bad_flag_on_the_command_line_prints_three_lines_at_most():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "run.py"), "--optim.lr=-0.001"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == "error: --optim.lr=-0.001: must be > 0"
+
+
+def test_help_shows_the_values_this_run_uses(capsys):
+    """The recipe is chosen before --help prints: its defaults are the run's, recipe included."""
+    for argv, recipe, lr in ((["--help"], "strops", "0.0001"), (["--algo=grpo", "--data.task=quiz", "-h"], "quiz", "6e-05"),
+                             (["--recipe=pretrained", "--help"], "pretrained", "1e-06")):
+        with pytest.raises(SystemExit) as stop:
+            run.parse_config(argv)
+        assert stop.value.code == 0
+        text = capsys.readouterr().out
+        assert f"recipe {recipe} (" in text
+        help_lr = re.search(r"--optim\.lr FLOAT.*?\(default: ([^)]+)\)", text, re.S).group(1)
+        assert help_lr == lr == str(run.parse_config([a for a in argv if a not in ("-h", "--help")]).optim.lr)
+
+
 def test_algo_flag_and_nested_flags():
     cfg = run.parse_config(["--algo", "hybrid", "--algo.lam=0.25", "--sdpo.add_tail=false",
                             "--data.strops_max_ops=3", "--train.micro_batch", "4", "--eval_only=True"])
     assert (cfg.algo.name, cfg.algo.lam, cfg.sdpo.add_tail) == ("hybrid", 0.25, False)
     assert (cfg.data.strops_max_ops, cfg.train.micro_batch, cfg.eval_only) == (3, 4, True)
-    with pytest.raises(SystemExit):
+    with pytest.raises(data.FlagError, match="invalid choice 'ppo' for argument '--algo'"):
         run.parse_config(["--algo=ppo"])
 
 
@@ -171,7 +219,7 @@ def _rollouts(tokenizer, algo, n_prompts=3, n=4, seed=0, no_success=False):
         fb = [] if no_success else ["Wrong Answer: input abc expected cba"] * len(out)
         tb = sdpo.build_teacher_batch(tokenizer, [r.row for r in out], [r.response_ids for r in out],
                                       [tokenizer.decode(r.response_ids) for r in out], [r.reward for r in out],
-                                      fb or [""] * len(out), sdpo.SdpoConfig())
+                                      fb or [""] * len(out), sdpo.SdpoConfig(include_environment_feedback=True))
         for r, ids, m in zip(out, tb.input_ids, tb.mask):
             r.teacher_ids, r.sdpo_mask = ids, float(m)
     return out
