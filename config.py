@@ -42,7 +42,9 @@ class DataConfig(data.TaskConfig):
     task: str = "strops"  # a synthetic task (arith, strops) or a .jsonl/.parquet file
     eval_path: str = ""  # held-out file (default: the task's test split / a hash split of the file)
     fields: str = ""  # column mapping for files, e.g. prompt=question,answer=solution
-    reward: str = ""  # reward function: math, strops, code, mc or module:function (default: the row's)
+    # reward function: math, strops, code, mc, quiz, shapes, module:function or path/file.py:function; empty: a
+    # synthetic task's own, a data file's `reward` column (a file with neither is refused)
+    reward: str = ""
     reward_kwargs: str = ""  # JSON keyword arguments of the reward function, e.g. '{"cpu_seconds": 10}' (code)
     allow_weak_sandbox: bool = False  # run model-written code even where the sandbox cannot isolate it
     # (no bubblewrap, no namespaces: README, The code sandbox); without it --data.reward code refuses

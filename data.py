@@ -325,7 +325,7 @@ def task_rows(task: str, split: str, n: int, seed: int = 0, cfg: TaskConfig | No
 # ----------------------------------------------------------------------------------------
 # User datasets: JSONL or Parquet, with a mapping from our field names to the file's columns.
 
-FIELDS = ("prompt", "answer", "tests", "teacher_response", "system", "uid", "images")
+FIELDS = ("prompt", "answer", "tests", "teacher_response", "system", "uid", "images", "reward")
 IMAGE_PLACEHOLDER = "<image>"  # marks where an image of the `images` field goes in a string prompt (verl's geo3k)
 
 
@@ -675,6 +675,12 @@ def _file_row(record: dict, path: str, row_no: int, mapping: dict, reward: str) 
                             f"(data.MAX_TEXT_CHARS)")
     tests = column(record, mapping["tests"])
     uid = column(record, mapping["uid"])
+    reward = reward or column(record, mapping["reward"])  # --data.reward, else the row's own
+    if not reward or not isinstance(reward, str):
+        from feedback import BUILTIN
+        raise DataError(f"{where('reward')}: {'missing' if not reward else f'not a name: {reward!r}'}, and "
+                        f"--data.reward is not set: pass --data.reward {'|'.join(sorted(BUILTIN))}|"
+                        f"module:function|path/file.py:function, or give every row a reward name")
     return {
         "uid": str(uid) if uid is not None else f"{os.path.basename(path)}:{row_no}",
         "messages": messages,
@@ -685,6 +691,8 @@ def _file_row(record: dict, path: str, row_no: int, mapping: dict, reward: str) 
         "reward": reward,
         "source": f"{path}, row {row_no}",
         **({"images": images} if images else {}),
+        # the file's own columns, as read (the images' aside): a reward may read any of them
+        "columns": {k: v for k, v in record.items() if k != mapping["images"]},
     }
 
 
@@ -1284,9 +1292,9 @@ def read_rows(cfg, announce: bool = False):
             print(f"data: {d.task} has {len(held_out)} distinct held-out rows at this difficulty, fewer than "
                   f"--data.eval_rows={d.eval_rows}: evaluating all of them", file=sys.stderr)
         return task_rows(d.task, "train", d.train_rows, seed=cfg.train.seed, cfg=d), held_out
-    rows = load_rows(d.task, d.fields, d.reward or "math")
+    rows = load_rows(d.task, d.fields, d.reward)  # without --data.reward: each row's own, else refused
     if d.eval_path:
-        held_out = load_rows(d.eval_path, d.fields, d.reward or "math", limit=d.eval_rows)
+        held_out = load_rows(d.eval_path, d.fields, d.reward, limit=d.eval_rows)
         if announce:
             print(f"data: {len(rows)} training rows from {d.task}, {len(held_out)} held-out rows from {d.eval_path}",
                   file=sys.stderr)

@@ -3,7 +3,7 @@
     python run.py                                          # the default job: tiny model, CPU
     torchrun --nproc_per_node=2 run.py --algo grpo         # FSDP2 over two ranks
     python run.py --model.path /models/Qwen3-8B --data.task /data/train.parquet \
-        --data.fields prompt=question,answer=solution --rollout.placement separate
+        --data.fields prompt=question,answer=solution --data.reward math --rollout.placement separate
 
 Every knob is a flag (`python run.py --help`, config.py). The loop in `train` reads top to
 bottom as the algorithm (docs/loop.md); the mechanics live next door (README, Files).
@@ -210,6 +210,10 @@ def prepare_rollouts(engine, tokenizer, rows, cfg: Config, objective, step: int)
         "response/truncated_frac": sum(r.truncated for r in rollouts) / n,
     }
     errors = [r for r in rollouts if r.reward_error]
+    if errors and len(errors) == n:  # nothing was scored: training on zeros would only hide it
+        first, name = errors[0], cfg.data.reward or errors[0].row["reward"]
+        raise data.UserError(f"step {step + 1}: all {n} rewards raised, so nothing was scored; the reward {name!r} "
+                             f"on {first.row['source']}: {first.reward_error}")
     if errors:
         print(f"[step {step + 1}] {len(errors)} reward errors, e.g. {errors[0].row['source']}: {errors[0].reward_error}",
               file=sys.stderr)

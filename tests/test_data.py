@@ -993,3 +993,29 @@ def test_pack_responses_properties(shape):
     matrix = torch.full((len(seqs) * R,), -1, dtype=torch.long).index_copy(0, token_index, targets).view(len(seqs), R)
     expected = [s[len(s) - r:] + [-1] * (R - r) for s, r in zip(seqs, lens)]
     assert matrix.tolist() == expected
+
+
+def test_a_file_without_a_reward_is_refused_and_a_row_keeps_the_files_columns(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2?", "answer": "4", "difficulty": 3}) + "\n")
+    cfg = run.parse_config([f"--data.task={path}"])
+    with pytest.raises(data.DataError, match=r"d.jsonl, row 1, field 'reward' \(column 'reward'\): missing, and "
+                                             r"--data.reward is not set: pass --data.reward code\|math\|mc\|"):
+        data.read_rows(cfg)
+    row = data.load_rows(str(path), reward="math")[0]
+    assert row["reward"] == "math" and row["columns"] == {"prompt": "2+2?", "answer": "4", "difficulty": 3}
+    path.write_text(json.dumps({"prompt": "2+2?", "answer": "4", "grader": "mc"}) + "\n")
+    assert data.load_rows(str(path), fields="reward=grader", reward="")[0]["reward"] == "mc"  # the row's own
+    assert data.load_rows(str(path), fields="reward=grader", reward="math")[0]["reward"] == "math"  # the flag wins
+
+
+def test_the_custom_reward_example_in_docs_reads_a_column_of_the_file(tmp_path):
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data.md")) as f:
+        example = re.search(r"```python\n(# my_reward\.py.*?)```", f.read(), re.S).group(1)
+    (tmp_path / "my_reward.py").write_text(example)
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "How far?", "answer": "42", "unit": "km"}) + "\n")
+    row = data.load_rows(str(path), reward=f"{tmp_path / 'my_reward.py'}:reward")[0]
+    fn = feedback.get_reward_fn(row["reward"])
+    assert fn("42 km", row, False) == 1.0
+    assert fn("42", row, False) == {"score": 0.0, "feedback": "Give the number with its unit (km)."}

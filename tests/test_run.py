@@ -572,6 +572,15 @@ def test_raising_reward_function_fails_the_rollout_not_the_run(tokenizer, tmp_pa
     assert rollouts[1].feedback == ""
 
 
+def test_a_step_whose_every_reward_raised_stops_the_run_naming_the_reward_and_a_row(tokenizer, tmp_path):
+    (tmp_path / "broken.py").write_text("def reward(response, row, truncated):\n    return row['difficulty']\n")
+    cfg = run.parse_config([f"--data.reward={tmp_path / 'broken.py'}:reward", "--rollout.n=2"])
+    rows = data.task_rows("strops", "train", 2)
+    with pytest.raises(data.UserError, match=r"step 4: all 4 rewards raised.*broken.py:reward.*"
+                                             r"strops, train.*KeyError: 'difficulty'"):
+        run.prepare_rollouts(CannedEngine(tokenizer, ["a", "b"]), tokenizer, rows, cfg, OBJECTIVES["sdpo"], 3)
+
+
 def test_code_reward_refuses_a_weak_sandbox_unless_accepted(tmp_path, monkeypatch, capsys):
     from feedback import sandbox
     monkeypatch.setattr(sandbox, "_isolation", sandbox.Isolation(None, False, ("no bubblewrap here (test)",)))
@@ -691,14 +700,14 @@ def test_data_file_split_is_announced_and_an_empty_split_is_an_error(tmp_path, c
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
                             for i in range(40)))
-    cfg = run.parse_config([f"--data.task={path}", "--data.heldout_percent=20"])
+    cfg = run.parse_config([f"--data.task={path}", "--data.reward=math", "--data.heldout_percent=20"])
     train_rows, held_out = run.load_data(cfg, announce=True)
     assert len(train_rows) + len(held_out) == 40 and held_out
     assert not {r["uid"] for r in train_rows} & {r["uid"] for r in held_out}
     message = capsys.readouterr().err
     assert f"{len(train_rows)} train, {len(held_out)} held out" in message and "--data.eval_path" in message
     with pytest.raises(data.DataError, match="split into 40 train and 0 held out"):
-        run.load_data(run.parse_config([f"--data.task={path}", "--data.heldout_percent=0"]))
+        run.load_data(run.parse_config([f"--data.task={path}", "--data.reward=math", "--data.heldout_percent=0"]))
 
 
 def test_lr_factor_warms_up_then_stays_or_decays_to_zero():
