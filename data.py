@@ -920,7 +920,40 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TINY_RECIPE_VERSION = 3  # bump when the code below (or the task text it trains the tokenizer on) changes
+# The source a tiny model's build runs: this file (the model, and the tasks' text its tokenizer is
+# trained on) and the task modules it imports. Their code is part of the cache key (source_hash).
+TINY_SOURCES = ("data.py", "feedback/__init__.py", "feedback/quiz.py", "feedback/shapes.py", "feedback/strops.py")
+PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def source_hash(files) -> str:
+    """A hash of the code in files (paths relative to the project's directory, or absolute), for
+    the key of a cache entry built by running it: an edit to that code changes it, an edit to a
+    comment, a docstring, the layout or any other file does not. Python files are hashed as
+    their syntax tree without docstrings, other files byte for byte."""
+    digest = hashlib.sha1()
+    for name in files:
+        path = os.path.join(PROJECT_DIR, name)
+        stat = os.stat(path)
+        digest.update(_code_digest(path, stat.st_mtime_ns, stat.st_size))
+    return digest.hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=64)
+def _code_digest(path: str, mtime_ns: int, size: int) -> bytes:
+    """source_hash's part for one file (cached while the file is unchanged: parsing takes ~0.1 s)."""
+    import ast
+    with open(path, "rb") as f:
+        text = f.read()
+    if path.endswith(".py"):
+        tree = ast.parse(text)
+        for node in ast.walk(tree):  # docstrings: the first statement of a body, a string
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                    and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        text = ast.dump(tree).encode()
+    return hashlib.sha1(text).digest()
 
 
 @dataclass
@@ -1006,14 +1039,14 @@ def build_tiny_model(out_dir: str, cfg: TinyModelConfig) -> str:
     return out_dir
 
 
-def _cached_build(kind: str, build, cfg, version: int, cache_dir: str | None) -> str:
-    """The directory build(dir, cfg) writes, cached under a hash of (kind, version, cfg): built
-    on first use and whenever its recipe changes.
+def _cached_build(kind: str, build, cfg, cache_dir: str | None) -> str:
+    """The directory build(dir, cfg) writes, cached under a hash of (kind, cfg, the code of
+    TINY_SOURCES): built on first use and whenever its recipe or that code changes.
 
     Concurrent builders (torchrun ranks, parallel tests) each build into a temporary
     directory and rename it into place; the first rename wins and the others are dropped.
     """
-    recipe = json.dumps({"version": version, **cfg.__dict__}, sort_keys=True)
+    recipe = json.dumps({"source": source_hash(TINY_SOURCES), **cfg.__dict__}, sort_keys=True)
     cache_dir = cache_dir or os.environ.get("SDPO_CACHE", os.path.expanduser("~/.cache/sdpo"))
     path = os.path.join(cache_dir, kind + "-" + hashlib.sha1(recipe.encode()).hexdigest()[:12])
     if os.path.exists(os.path.join(path, "recipe.json")):
@@ -1035,7 +1068,7 @@ def _cached_build(kind: str, build, cfg, version: int, cache_dir: str | None) ->
 
 def tiny_model_dir(cfg: TinyModelConfig | None = None, cache_dir: str | None = None) -> str:
     """The cached tiny model for cfg (see _cached_build)."""
-    return _cached_build("tiny", build_tiny_model, cfg or TinyModelConfig(), TINY_RECIPE_VERSION, cache_dir)
+    return _cached_build("tiny", build_tiny_model, cfg or TinyModelConfig(), cache_dir)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -1080,7 +1113,6 @@ VLM_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-TINY_VLM_RECIPE_VERSION = 2  # bump when the code below (or _tokenizer_corpus) changes what it builds
 
 
 @dataclass
@@ -1133,7 +1165,7 @@ def build_tiny_vlm(out_dir: str, cfg: TinyVLMConfig) -> str:
 
 def tiny_vlm_dir(cfg: TinyVLMConfig | None = None, cache_dir: str | None = None) -> str:
     """The cached tiny vision-language model for cfg (see _cached_build)."""
-    return _cached_build("tiny-vlm", build_tiny_vlm, cfg or TinyVLMConfig(), TINY_VLM_RECIPE_VERSION, cache_dir)
+    return _cached_build("tiny-vlm", build_tiny_vlm, cfg or TinyVLMConfig(), cache_dir)
 
 
 # ----------------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ def test_tiny_model_dir_builds_once_and_reuses_the_cache(tmp_path, monkeypatch):
     assert os.path.dirname(path) == cache
     with open(os.path.join(path, "recipe.json")) as f:
         recipe = json.load(f)
-    assert recipe["version"] == data.TINY_RECIPE_VERSION and recipe["num_layers"] == 1
+    assert recipe["source"] == data.source_hash(data.TINY_SOURCES) and recipe["num_layers"] == 1
     assert [n for n in os.listdir(cache) if n.startswith(".build-")] == []  # no temporary left behind
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.num_hidden_layers == 1
@@ -138,11 +138,35 @@ def test_a_changed_recipe_gets_a_new_cache_path(tmp_path, monkeypatch):
         path = data.tiny_model_dir(TinyModelConfig(**{**SMALL.__dict__, **change}), cache_dir=cache)
         assert path not in paths, change
         paths.add(path)
-    monkeypatch.setattr(data, "TINY_RECIPE_VERSION", data.TINY_RECIPE_VERSION + 1)
+    monkeypatch.setattr(data, "source_hash", lambda files: "edited")  # the code it runs changed
     bumped = data.tiny_model_dir(SMALL, cache_dir=cache)
     assert bumped not in paths
     assert len(built) == 8
     assert all(os.path.exists(os.path.join(p, "marker")) for p in paths | {bumped})
+
+
+def test_the_cache_keys_follow_the_code_a_build_runs(tmp_path, monkeypatch):
+    """An edit to a task generator's code gives the tiny model and its warm start new cache
+    entries; an edit to its comments or docstrings, or to a file the build does not run, does not."""
+    import warm_start
+    monkeypatch.setattr(data, "build_tiny_model", lambda out_dir, cfg: out_dir)
+    generator = tmp_path / "strops.py"
+    with open(os.path.join(data.PROJECT_DIR, "feedback", "strops.py")) as f:
+        original = f.read()
+
+    def keys(source: str):
+        generator.write_text(source)
+        swap = lambda files: tuple(str(generator) if f == "feedback/strops.py" else f for f in files)
+        monkeypatch.setattr(data, "TINY_SOURCES", swap(data.TINY_SOURCES))
+        monkeypatch.setattr(warm_start, "WARM_START_SOURCES", swap(warm_start.WARM_START_SOURCES))
+        tiny = data.tiny_model_dir(SMALL, cache_dir=str(tmp_path / "cache"))
+        return tiny, warm_start.warm_start_config(run.parse_config([]), tiny).log.out_dir
+
+    base = keys(original)
+    assert keys(original.replace('"""', '"""Edited. ', 1) + "\n# a comment\n") == base
+    edited = keys(original + "\nOPS_ADDED = 1\n")
+    assert edited[0] != base[0] and edited[1] != base[1]
+    assert all(f.endswith(".py") for f in warm_start.WARM_START_SOURCES)  # README, docs, benches: not in a key
 
 
 def test_a_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
