@@ -96,6 +96,7 @@ def test_the_sweeps_first_two_points_run_back_to_back_each_in_its_own_folder(tmp
         assert f"--sdpo.teacher_rate={saved['sdpo']['teacher_rate']}" in point  # the agent's values
         assert saved["sdpo"]["topk"] == 16 and saved["log"]["out_dir"] == d  # flags after the agent's win
         assert os.path.isdir(tmp_path / d / "wandb")
+        assert undocumented_metrics(k for r in _metrics(tmp_path / d) for k in r) == []
 
 
 def test_user_errors_print_their_message_alone_and_exit_non_zero(tmp_path, monkeypatch, capsys):
@@ -144,6 +145,35 @@ def test_help_shows_the_values_this_run_uses(capsys):
         assert f"recipe {recipe} (" in text
         help_lr = re.search(r"--optim\.lr FLOAT.*?\(default: ([^)]+)\)", text, re.S).group(1)
         assert help_lr == lr == str(run.parse_config([a for a in argv if a not in ("-h", "--help")]).optim.lr)
+
+
+METRIC_NAMESPACES = ("reward", "response", "actor", "is", "rollout", "sdpo", "dpo", "gad", "sync", "time", "throughput",
+                     "async", "warm_start", "eval", "ttt", "best_of_k", "reference")
+
+
+def undocumented_metrics(keys) -> list:
+    """The keys (a `*` stands for a variable part) without a row in docs/metrics.md."""
+    import fnmatch
+    with open(os.path.join(ROOT, "docs", "metrics.md")) as f:
+        rows = [line.split("|")[1] for line in f if line.startswith("| `")]
+    documented = [k for cell in rows for k in re.findall(r"`([^`]+)`", cell)]
+    return sorted(k for k in set(keys) if k != "step" and not any(
+        fnmatch.fnmatchcase(k, d) or fnmatch.fnmatchcase(d, k) for d in documented))
+
+
+def test_every_metric_the_code_names_is_documented():
+    """Each key a module logs (a string literal in a metric namespace; an f-string's fields as `*`)
+    has its row in docs/metrics.md; the end-to-end runs check what they logged the same way."""
+    names = "|".join(METRIC_NAMESPACES)
+    keys = set()
+    for name in os.listdir(ROOT):
+        if name.endswith(".py"):
+            with open(os.path.join(ROOT, name)) as f:
+                source = f.read()
+            keys |= set(re.findall(rf'(?<!\w)"((?:{names})/[\w@.]+)"', source))
+            keys |= {re.sub(r"\{[^}]*\}", "*", k) for k in re.findall(rf'f"((?:{names})/[\w@.{{}} +*]+)"', source)}
+    assert len(keys) > 80  # the scan finds them
+    assert undocumented_metrics(keys) == []
 
 
 def test_algo_flag_and_nested_flags():
