@@ -50,7 +50,7 @@ class DataConfig(data.TaskConfig):
     # (no bubblewrap, no namespaces: README, The code sandbox); without it --data.reward code refuses
     train_rows: int = 4000  # rows drawn from a synthetic task
     # held-out rows (a synthetic task: at most this many, fewer where its split has fewer). The rows are
-    # the draws: at 2048 the paired standard error of a 40-step gain is ~0.8 points (docs/results.md)
+    # the draws: more rows, a smaller standard error of a gain (docs/results.md)
     eval_rows: int = 2048
     max_prompt_len: int = 1024
 
@@ -63,7 +63,7 @@ class RolloutConfig:
     n: int = 8  # samples per prompt
     temperature: float = 1.0
     # A chat model's direct answer (no long reasoning) fits in 256, TRL's default (a truncated
-    # answer scores 0: 32 truncated 98% of SmolLM2-135M-Instruct's strops answers)
+    # answer scores 0: docs/results.md, the real pretrained model)
     max_tokens: int = 256
     gpu_memory_utilization: float = 0.3  # GPU memory fraction (on CPU only without kv_cache_tokens)
     kv_cache_tokens: int = 0  # on CPU: tokens the engine's KV cache holds; 0: sized from the run's batches
@@ -149,7 +149,7 @@ class GadConfig:
     lr: float = 1e-4
     grad_clip: float = 1.0  # the discriminator's gradient-norm clip
     # the discriminator's optimizer steps on each rollout batch; the rewards and gad/d_acc are the
-    # scores before the first (4 on the quiz: d_acc fell, docs/gad.md)
+    # scores before the first (more steps a batch did not help on the quiz: docs/gad.md)
     disc_steps: int = 1
     # what the scalar head reads: the last real token's hidden state, or the mean of the response tokens'
     pool: Literal["last", "mean"] = "last"
@@ -222,7 +222,7 @@ class TrainConfig:
     warm_start_batch: int = 32
     warm_start_lr: float = 2e-3
     warm_start_seed: int = 0  # one warm start serves every RL seed
-    # its micro_batch_tokens: teacher contexts beside plain prompts leave a batch ~40% padding
+    # its micro_batch_tokens: teacher contexts beside plain prompts leave much of a batch padding
     warm_start_micro_batch_tokens: int = 4096
     # Shares of warm-start examples whose prompt is a teacher context (sdpo.py's templates)
     # with the reference as the correct solution, or with a wrong attempt's feedback: they
