@@ -41,7 +41,7 @@ class TaskConfig:
     """Difficulty of the synthetic tasks (all flags under --data.*)."""
     arith_digits: int = 2  # operand digits of the arithmetic task
     arith_ops: str = "+-"  # operators drawn from
-    strops_max_ops: int = 1  # program length 1..max_ops (1: a single op, the tiny model solves ~30%)
+    strops_max_ops: int = 1  # program length 1..max_ops (1: a single op, within the tiny model's reach)
     strops_str_len: int = 5  # input string length
     strops_shown: int = 2  # examples shown in the prompt
     strops_hidden: int = 2  # extra test cases only the checker sees
@@ -57,8 +57,8 @@ class TaskConfig:
     shapes_image_size: int = 112  # pixels a side (112: 16 image tokens for Qwen2-VL's 28-pixel units)
     quiz_questions: int = 3  # questions per quiz; all must be right
     # operands drawn from 2..quiz_max. 20: 722 facts, more than the tiny model learns in its warm
-    # start (~78% of lines right), so lines the feedback marks right are worth copying. At 9 it
-    # learns all 128 and solves every quiz after 600 steps: no group fails, nothing to teach.
+    # start, so lines the feedback marks right are worth copying. At 9 it learns all 128 and
+    # solves every quiz: no group fails, nothing to teach (docs/LOG.md).
     quiz_max: int = 20
     quiz_ops: str = "+*"  # operators drawn from (+ - *)
     quiz_feedback: str = QUIZ_FEEDBACK[0]  # a wrong line's feedback: "marks" (b:3*4 is wrong.) or "values" (b:3*4 is not 13.)
@@ -971,7 +971,8 @@ def _tokenizer_corpus(seed: int) -> list[str]:
     """Text the tokenizer is trained on: prompts and answers of both tasks, and the SDPO
     reprompt and feedback vocabulary, so that teacher contexts tokenise compactly."""
     texts = []
-    # fixed: the tokenizer must not move with the task defaults (a new text task bumps the recipe)
+    # fixed: the tokenizer must not move with the task defaults (a new text task is new code here:
+    # the cache key, source_hash, builds a new tiny model)
     corpus_tasks = TaskConfig(strops_max_ops=2, quiz_ops="+-*", quiz_max=12)
     for task in TEXT_TASKS:
         for split in ("train", "test"):

@@ -1043,3 +1043,31 @@ def test_the_custom_reward_example_in_docs_reads_a_column_of_the_file(tmp_path):
     fn = feedback.get_reward_fn(row["reward"])
     assert fn("42 km", row, False) == 1.0
     assert fn("42", row, False) == {"score": 0.0, "feedback": "Give the number with its unit (km)."}
+
+
+def test_the_adding_a_task_example_in_docs_generates_checks_and_recipes(tmp_path):
+    """docs/data.md's worked example, as written: its rows, its checker's scores and feedback, its recipe's flags."""
+    import random
+    from types import SimpleNamespace
+    from config import Config, apply_flags
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data.md")) as f:
+        blocks = dict(re.findall(r"```python\n# (\S+)\n(.*?)```", f.read(), re.S))
+    generator = dict(vars(data))
+    exec(blocks["data.py"], generator)
+    difficulty = SimpleNamespace(sort_len=5, heldout_percent=10)
+    rows = [generator["_sort_row"](random.Random(seed), difficulty) for seed in range(20)]
+    assert len({r["uid"] for r in rows}) == 20
+    (tmp_path / "sort.py").write_text(blocks["feedback/sort.py"])
+    check = feedback.get_reward_fn(f"{tmp_path / 'sort.py'}:sort_reward")
+    row = rows[0]
+    numbers = row["answer"].split()
+    assert check(row["reference"], row, False).score == 1.0
+    swapped = " ".join([numbers[1], numbers[0]] + numbers[2:])
+    wrong = check(f"Answer: {swapped}", row, False)
+    assert wrong.score == 0.0 and (numbers[0] == numbers[1] or "place 1" in wrong.feedback)
+    assert row["answer"] not in wrong.feedback
+    assert "exactly once (you gave 4)" in check("Answer: " + " ".join(numbers[:4]), row, False).feedback
+    assert check(row["reference"], row, True).score == 0.0
+    recipe = {}
+    exec(blocks["recipes/sort.py"], recipe)
+    assert recipe["BASE"] == "tiny" and apply_flags(Config(), recipe["FLAGS"], "recipes/sort.py").train.warm_start_steps == 200
