@@ -1070,4 +1070,5 @@ def test_the_adding_a_task_example_in_docs_generates_checks_and_recipes(tmp_path
     assert check(row["reference"], row, True).score == 0.0
     recipe = {}
     exec(blocks["recipes/sort.py"], recipe)
-    assert recipe["BASE"] == "tiny" and apply_flags(Config(), recipe["FLAGS"], "recipes/sort.py").train.warm_start_steps == 200
+    assert recipe["BASE"] == "tiny"
+    assert apply_flags(Config(), recipe["FLAGS"], "recipes/sort.py").train.warm_start_steps == 200

@@ -136,7 +136,8 @@ def test_a_bad_flag_on_the_command_line_prints_three_lines_at_most():
 
 def test_help_shows_the_values_this_run_uses(capsys):
     """The recipe is chosen before --help prints: its defaults are the run's, recipe included."""
-    for argv, recipe, lr in ((["--help"], "strops", "0.0001"), (["--algo=grpo", "--data.task=quiz", "-h"], "quiz", "6e-05"),
+    for argv, recipe, lr in ((["--help"], "strops", "0.0001"),
+                             (["--algo=grpo", "--data.task=quiz", "-h"], "quiz", "6e-05"),
                              (["--recipe=pretrained", "--help"], "pretrained", "1e-06")):
         with pytest.raises(SystemExit) as stop:
             run.parse_config(argv)
