@@ -54,7 +54,24 @@ def run_dir(cfg: Config) -> str:
     with contextlib.suppress(OSError):  # a file system without links: only the link is missing
         os.symlink(os.path.basename(path), link + f".{os.getpid()}")
         os.replace(link + f".{os.getpid()}", link)
+    MADE_RUN_DIRS.append(path)
     return path
+
+
+MADE_RUN_DIRS = []  # the folders run_dir made in this process
+
+
+def drop_empty_run_dirs():
+    """The folders run_dir made for a run that stopped before writing anything (a user's
+    mistake found at the start) are removed, and runs/latest with the newest."""
+    while MADE_RUN_DIRS:
+        path = MADE_RUN_DIRS.pop()
+        link = os.path.join(os.path.dirname(path), "latest")
+        with contextlib.suppress(OSError):  # not empty: a run's records stay
+            os.rmdir(path)
+            if os.path.islink(link) and os.readlink(link) == os.path.basename(path):
+                os.remove(link)
+            os.rmdir(os.path.dirname(path))  # runs/ itself, where this was its first run
 
 
 def check_out_dir(cfg: Config, resuming: bool, model_dir: str = "", objective=None):

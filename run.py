@@ -20,7 +20,8 @@ import torch
 
 import data
 import objectives
-from checkpoint import check_out_dir, checkpoint_path, load_checkpoint, run_dir, save_checkpoint, save_hf
+from checkpoint import (check_out_dir, checkpoint_path, drop_empty_run_dirs, load_checkpoint, run_dir, save_checkpoint,
+                        save_hf)
 from config import Config, debugging, describe, parse_config
 from data import batch_rows, read_rows, stream_seed
 from evaluate import baseline_evaluation, evaluate, evaluate_only, evaluate_start, evaluation_due, success_rate
@@ -380,6 +381,7 @@ def cli(argv=None) -> int:
     try:
         main(argv)
     except (data.UserError, SandboxUnavailable) as e:
+        drop_empty_run_dirs()
         if debugging(argv):
             raise
         if os.environ.get("RANK", "0") == "0" and not getattr(e, "reported", False):  # once, under torchrun too

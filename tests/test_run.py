@@ -119,6 +119,7 @@ def test_user_errors_print_their_message_alone_and_exit_non_zero(tmp_path, monke
         err = capsys.readouterr().err
         assert message in err and err.startswith("error: ") and "Traceback" not in err, err
         assert len(err.strip().splitlines()) <= 3, err
+    assert sorted(os.listdir(tmp_path)) == ["used"]  # the runs stopped at the start left no empty folder
     with pytest.raises(data.FlagError):
         run.cli(["--optim.lr=-0.001", "--debug"])
     monkeypatch.setenv("SDPO_DEBUG", "1")
