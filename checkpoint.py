@@ -2,18 +2,22 @@
 --train.resume), the final model as an ordinary HF directory, and the out_dir's checks at the
 start. Every directory is written under a .partial name and renamed when complete, so that a
 killed run never leaves a half-written one under a name that is read later."""
+import contextlib
 import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
 
 from config import Config
+from data import PathError
 from objectives import Dist
 from policy import Trainer
 from rollout import full_state_dict, rank0_call
@@ -22,6 +26,52 @@ from rollout import full_state_dict, rank0_call
 RUN_RECORDS = ("metrics.jsonl", "samples.jsonl", "final", "eval_rows.jsonl")
 FIRST_EVAL = "first_eval.json"  # in a checkpoint: the held-out rows' success at step 0
 NEXT_BATCH = "next_batch.pt"  # in a checkpoint of a run generating ahead: the batch of its next step
+RUNS_DIR = "runs"  # the folders of runs without --log.out_dir, under the working directory
+
+
+def run_dir(cfg: Config) -> str:
+    """The run's folder: --log.out_dir; without it, the resumed run's folder (--train.resume),
+    else a new one, runs/<date>-<time>-<algo>-<task> (sorting by start, saying what ran; a
+    suffix where two start in the same second), created here, with runs/latest linked to it."""
+    if cfg.log.out_dir:
+        return cfg.log.out_dir
+    if cfg.train.resume:
+        return os.path.dirname(checkpoint_path(cfg.train.resume).rstrip(os.sep))
+    task = re.sub(r"[^\w-]+", "_", os.path.basename(cfg.data.task.rstrip(os.sep)).split(".")[0])  # a file: its name
+    stem = os.path.join(RUNS_DIR, f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algo.name}-{task}")
+    path, n = stem, 1
+    while True:
+        try:
+            os.makedirs(path)  # not exist_ok: the folder is this run's alone
+            break
+        except FileExistsError:
+            n += 1
+            path = f"{stem}-{n}"
+        except OSError as e:
+            raise PathError(f"cannot create the run folder {path} ({e.strerror}): run from a writable "
+                            f"directory or pass --log.out_dir") from None
+    link = os.path.join(RUNS_DIR, "latest")
+    with contextlib.suppress(OSError):  # a file system without links: only the link is missing
+        os.symlink(os.path.basename(path), link + f".{os.getpid()}")
+        os.replace(link + f".{os.getpid()}", link)
+    MADE_RUN_DIRS.append(path)
+    return path
+
+
+MADE_RUN_DIRS = []  # the folders run_dir made in this process
+
+
+def drop_empty_run_dirs():
+    """The folders run_dir made for a run that stopped before writing anything (a user's
+    mistake found at the start) are removed, and runs/latest with the newest."""
+    while MADE_RUN_DIRS:
+        path = MADE_RUN_DIRS.pop()
+        link = os.path.join(os.path.dirname(path), "latest")
+        with contextlib.suppress(OSError):  # not empty: a run's records stay
+            os.rmdir(path)
+            if os.path.islink(link) and os.readlink(link) == os.path.basename(path):
+                os.remove(link)
+            os.rmdir(os.path.dirname(path))  # runs/ itself, where this was its first run
 
 
 def check_out_dir(cfg: Config, resuming: bool, model_dir: str = "", objective=None):
@@ -35,7 +85,7 @@ def check_out_dir(cfg: Config, resuming: bool, model_dir: str = "", objective=No
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as e:
-        raise OSError(e.errno, f"--log.out_dir {out} is not writable: {e.strerror}") from e
+        raise PathError(f"--log.out_dir {out} is not writable: {e.strerror}") from e
     if not resuming:
         check_no_earlier_run(out, cfg.log.overwrite)
     if not model_dir:
@@ -46,8 +96,8 @@ def check_out_dir(cfg: Config, resuming: bool, model_dir: str = "", objective=No
     need, total = model + min(saves, 1) * copies * model, model + saves * copies * model
     free = shutil.disk_usage(out).free
     if free < need:
-        raise OSError(28, f"--log.out_dir {out} has {free / 2**30:.3g} GiB free; the run writes at least "
-                          f"{need / 2**30:.3g} GiB (the final model and a checkpoint)")  # 28: ENOSPC
+        raise PathError(f"--log.out_dir {out} has {free / 2**30:.3g} GiB free; the run writes at least "
+                        f"{need / 2**30:.3g} GiB (the final model and a checkpoint)")
     if free < total:
         print(f"warning: --log.out_dir {out} has {free / 2**30:.3g} GiB free; the run's {saves} checkpoints "
               f"and final model take {total / 2**30:.3g} GiB", file=sys.stderr)
@@ -57,9 +107,9 @@ def check_no_earlier_run(out: str, overwrite: bool):
     """An out_dir with an earlier run's records is refused, or with overwrite emptied of them."""
     earlier = sorted(name for name in os.listdir(out) if name.startswith("checkpoint-") or name in RUN_RECORDS)
     if earlier and not overwrite:
-        raise FileExistsError(f"--log.out_dir {out} holds an earlier run ({', '.join(earlier[-3:])}): continue it "
-                              f"with --train.resume {out}, replace it with --log.overwrite=True, or choose another "
-                              f"--log.out_dir")
+        raise PathError(f"--log.out_dir {out} holds an earlier run ({', '.join(earlier[-3:])}): continue it "
+                        f"with --train.resume {out}, replace it with --log.overwrite=True, or choose another "
+                        f"--log.out_dir")
     for name in earlier:
         path = os.path.join(out, name)
         if os.path.isdir(path):
@@ -115,10 +165,10 @@ def load_checkpoint(path: str, trainer: Trainer, cfg: Config, d: Dist):
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as e:  # torch names neither the directory nor the file
-        raise RuntimeError(f"--train.resume: the checkpoint {path} cannot be read ({type(e).__name__}: "
-                           f"{str(e).splitlines()[-1][:300] if str(e) else ''}); its files: "
-                           f"{', '.join(sorted(os.listdir(path)))}. Resume from an earlier checkpoint-N "
-                           f"of the run") from e
+        raise PathError(f"--train.resume: the checkpoint {path} cannot be read ({type(e).__name__}: "
+                        f"{str(e).splitlines()[-1][:300] if str(e) else ''}); its files: "
+                        f"{', '.join(sorted(os.listdir(path)))}. Resume from an earlier checkpoint-N "
+                        f"of the run") from e
     set_state_dict(trainer.models.policy, trainer.optimizer, model_state_dict=state["policy"],
                    optim_state_dict=state["optimizer"])
     for name in ("teacher", "reference", "discriminator"):
@@ -145,8 +195,8 @@ def checkpoint_path(resume: str) -> str:
     steps = [int(m.group(1)) for m in map(re.compile(r"checkpoint-(\d+)").fullmatch,
                                            os.listdir(resume) if os.path.isdir(resume) else []) if m]
     if not steps:
-        raise FileNotFoundError(f"--train.resume {resume}: neither a checkpoint nor a run directory holding one "
-                                "(checkpoint-N, written by --train.save_every)")
+        raise PathError(f"--train.resume {resume}: neither a checkpoint nor a run directory holding one "
+                        "(checkpoint-N, written by --train.save_every)")
     return os.path.join(resume, f"checkpoint-{max(steps)}")
 
 

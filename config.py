@@ -22,6 +22,7 @@ import feedback
 import losses
 import objectives
 import sdpo
+from data import FlagError
 
 RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
 # The values the run prints beside its recipe's own: what decides how hard an update pushes
@@ -41,13 +42,15 @@ class DataConfig(data.TaskConfig):
     task: str = "strops"  # a synthetic task (arith, strops) or a .jsonl/.parquet file
     eval_path: str = ""  # held-out file (default: the task's test split / a hash split of the file)
     fields: str = ""  # column mapping for files, e.g. prompt=question,answer=solution
-    reward: str = ""  # reward function: math, strops, code, mc or module:function (default: the row's)
+    # reward function: math, strops, code, mc, quiz, shapes, module:function or path/file.py:function; empty: a
+    # synthetic task's own, a data file's `reward` column (a file with neither is refused)
+    reward: str = ""
     reward_kwargs: str = ""  # JSON keyword arguments of the reward function, e.g. '{"cpu_seconds": 10}' (code)
     allow_weak_sandbox: bool = False  # run model-written code even where the sandbox cannot isolate it
     # (no bubblewrap, no namespaces: README, The code sandbox); without it --data.reward code refuses
     train_rows: int = 4000  # rows drawn from a synthetic task
     # held-out rows (a synthetic task: at most this many, fewer where its split has fewer). The rows are
-    # the draws: at 2048 the paired standard error of a 40-step gain is ~0.8 points (docs/results.md)
+    # the draws: more rows, a smaller standard error of a gain (docs/results.md)
     eval_rows: int = 2048
     max_prompt_len: int = 1024
 
@@ -60,7 +63,7 @@ class RolloutConfig:
     n: int = 8  # samples per prompt
     temperature: float = 1.0
     # A chat model's direct answer (no long reasoning) fits in 256, TRL's default (a truncated
-    # answer scores 0: 32 truncated 98% of SmolLM2-135M-Instruct's strops answers)
+    # answer scores 0: docs/results.md, the real pretrained model)
     max_tokens: int = 256
     gpu_memory_utilization: float = 0.3  # GPU memory fraction (on CPU only without kv_cache_tokens)
     kv_cache_tokens: int = 0  # on CPU: tokens the engine's KV cache holds; 0: sized from the run's batches
@@ -112,10 +115,6 @@ class SdpoArgs(sdpo.SdpoConfig):
     is_clip: float = 2.0
     chunked: bool = True  # top-K loss from hidden states, never materialising [tokens, vocab]
     chunk_size: int = 512
-    # Demonstrations only: the paper's configuration without environment feedback. A weak model
-    # reads feedback badly: SmolLM2-135M-Instruct shown a wrong attempt's feedback solved 5.0% of
-    # word problems against its bare 23.7% (shown a demonstration: 47.5%). recipes/tiny.py turns it on.
-    include_environment_feedback: bool = False
     teacher: Literal["ema", "frozen", "trust-region", "live"] = "ema"
     teacher_rate: float = 0.05
     teacher_micro_batch: int = 32
@@ -150,7 +149,7 @@ class GadConfig:
     lr: float = 1e-4
     grad_clip: float = 1.0  # the discriminator's gradient-norm clip
     # the discriminator's optimizer steps on each rollout batch; the rewards and gad/d_acc are the
-    # scores before the first (4 on the quiz: d_acc fell, docs/gad.md)
+    # scores before the first (more steps a batch did not help on the quiz: docs/gad.md)
     disc_steps: int = 1
     # what the scalar head reads: the last real token's hidden state, or the mean of the response tokens'
     pool: Literal["last", "mean"] = "last"
@@ -175,9 +174,7 @@ class GadConfig:
 
 @dataclass
 class OptimConfig:
-    # For a pretrained model: the rate TRL and verl ship, and the paper's with rich feedback
-    # (Table 12); measured on SmolLM2-135M-Instruct in the README. The tiny model takes 1e-4 (recipes/tiny.py).
-    lr: float = 1e-6
+    lr: float = 1e-6  # AdamW's peak rate; for a pretrained model 1e-6 (TRL, verl, the paper's Table 12)
     warmup_steps: int = 10  # the paper's (Table 12)
     decay: Literal["none", "linear"] = "none"  # linear: to 0 at train.steps (the warm start always decays)
     weight_decay: float = 0.01
@@ -225,7 +222,7 @@ class TrainConfig:
     warm_start_batch: int = 32
     warm_start_lr: float = 2e-3
     warm_start_seed: int = 0  # one warm start serves every RL seed
-    # its micro_batch_tokens: teacher contexts beside plain prompts leave a batch ~40% padding
+    # its micro_batch_tokens: teacher contexts beside plain prompts leave much of a batch padding
     warm_start_micro_batch_tokens: int = 4096
     # Shares of warm-start examples whose prompt is a teacher context (sdpo.py's templates)
     # with the reference as the correct solution, or with a wrong attempt's feedback: they
@@ -254,7 +251,10 @@ class TrainConfig:
 
 @dataclass
 class LogConfig:
-    out_dir: str = "runs/default"
+    # empty: a new folder per run, runs/<date>-<time>-<algo>-<task> under the working directory
+    # (runs/latest links to the newest; with --train.resume: the resumed run's folder). A folder
+    # given here that holds an earlier run is refused unless resuming or --log.overwrite=True
+    out_dir: str = ""
     overwrite: bool = False  # replace an earlier run's records in out_dir (else the run refuses to start there)
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "sdpo"
@@ -280,6 +280,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    debug: bool = False  # a user error (a flag, a data file, a path) shows its traceback too (or SDPO_DEBUG=1)
     eval_only: bool = False  # evaluate --model.path (avg@k, length, truncation) and exit
     teacher_gap: bool = False  # with eval_only: also success with the reference as a demonstration / with feedback,
     # and teacher vs student entropy on the model's own samples (context_entropies)
@@ -294,17 +295,78 @@ class Config:
 def parse_config(argv=None) -> Config:
     """Flags -> Config: the recipe's values (recipes/) on the flags' defaults, then the command
     line on top. Booleans take a value (--sdpo.add_tail=False), as sweep agents pass them.
-    Every value is resolved here and checked (check_config) before any work starts."""
-    import tyro
+    Every value is resolved here and checked (check_config) before any work starts. `--help`
+    comes after the recipe is chosen, so it shows the values this run uses."""
     argv = sys.argv[1:] if argv is None else list(argv)
     argv = [re.sub(r"=(true|false)$", lambda m: "=" + m.group(1).capitalize(), a, flags=re.I) for a in argv]
-    parse = lambda default: tyro.cli(Config, args=argv, default=default, config=(tyro.conf.FlagConversionOff,))
-    asked = parse(Config())  # which model, task, objective and recipe: they choose the recipe
+    argv = ["--debug=True" if a == "--debug" else a for a in argv]
+    # which model, task, objective and recipe: they choose the recipe
+    asked = parse_flags(Config(), [a for a in argv if a not in ("-h", "--help")])
     name = recipe_name(asked)
-    cfg = parse(apply_flags(Config(), recipe_flags(name, asked.algo.name), f"recipes/{name}.py"))
+    flags = recipe_flags(name, asked.algo.name)
+    cfg = parse_flags(apply_flags(Config(), flags, f"recipes/{name}.py"), argv, help_text(name, flags))
     cfg.recipe = name
     check_config(cfg)
     return cfg
+
+
+def parse_flags(default: Config, argv: list, description: str = "") -> Config:
+    """tyro's parse of argv on default. A flag it rejects is a FlagError: the first lines of
+    tyro's message (its full box with --debug or SDPO_DEBUG=1)."""
+    import contextlib
+    import io
+
+    import tyro
+    parse = lambda: tyro.cli(Config, args=argv, default=default, description=description or None,
+                             config=(tyro.conf.FlagConversionOff,))
+    if debugging(argv):
+        return parse()
+    box = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(box):
+            return parse()
+    except SystemExit as e:
+        if not e.code:  # --help: printed to stdout
+            raise
+        raise FlagError(tyro_error(box.getvalue())) from None
+
+
+def tyro_error(box: str) -> str:
+    """tyro's error box, condensed: its first paragraph and, for an unknown flag, the suggestion.
+    The box is drawn with lines (a terminal) or, where rich thinks it cannot, as a title over rules."""
+    frame = [line.strip().strip("│|").strip() for line in box.strip().splitlines()]
+    paragraphs = [[]]
+    for row in frame:
+        if row.startswith(("╭", "╰")) or (row and not row.strip("─-")):  # a border or a rule
+            paragraphs.append([])
+        elif row:
+            paragraphs[-1].append(row)
+    paragraphs = [p for p in paragraphs if p][0 if frame and frame[0].startswith("╭") else 1:]  # less the title
+    if not paragraphs:
+        return box.strip() or "the flags cannot be parsed"
+    meant = next((p[1].split()[0] for p in paragraphs if len(p) > 1 and p[0].startswith("Perhaps you meant")), "")
+    return (" ".join(paragraphs[0]) + (f"; did you mean {meant}?" if meant else "")
+            + "\n(python run.py --help lists the flags)")
+
+
+def debugging(argv=None) -> bool:
+    """--debug on the command line or SDPO_DEBUG=1: a user error shows its traceback too."""
+    argv = sys.argv[1:] if argv is None else argv
+    return os.environ.get("SDPO_DEBUG", "") not in ("", "0") or any(
+        re.fullmatch(r"--debug(=true|=1)?", a, flags=re.I) for a in argv)
+
+
+def help_text(name: str, flags: dict) -> str:
+    """`--help`'s heading: which recipe the defaults below include, and how to see another's."""
+    source = "the flags' own defaults, for a pretrained model" if name == "pretrained" else \
+        f"recipes/{name}.py: " + " ".join(f"--{k}={v}" for k, v in flags.items())
+    return (f"Train a causal LM with SDPO, GRPO, GSPO, the hybrid, DPO/SPIN, GAD or SFT (README). The defaults "
+            f"below are this run's: recipe {name} ({source}). Other flags choose another recipe: --model.path, "
+            f"--data.task, --algo, --recipe NAME (pretrained, {', '.join(recipe_names())}).")
+
+
+def recipe_names() -> list[str]:
+    return sorted(f[:-3] for f in os.listdir(RECIPES_DIR) if f.endswith(".py"))
 
 
 def check_config(cfg: Config):
@@ -318,27 +380,30 @@ def check_config(cfg: Config):
               ("data.eval_rows", c.data.eval_rows, 1), ("sdpo.topk", c.sdpo.topk, 1)]
     for name, value, least in bounds:
         if value < least:
-            raise ValueError(f"--{name}={value}: must be at least {least}")
+            raise FlagError(f"--{name}={value}: must be at least {least}")
     for name in ("teacher_gap", "blind"):
         if getattr(c, name) and not c.eval_only:
-            raise ValueError(f"--{name} is a measurement of --eval_only; add --eval_only")
+            raise FlagError(f"--{name} is a measurement of --eval_only; add --eval_only")
     for name, value in (("optim.lr", c.optim.lr), ("rollout.temperature", c.rollout.temperature),
                         ("rollout.eval_temperature", c.rollout.eval_temperature)):
         if not value > 0:
-            raise ValueError(f"--{name}={value}: must be > 0")
+            raise FlagError(f"--{name}={value}: must be > 0")
     if not 0 <= c.sdpo.teacher_rate <= 1:
-        raise ValueError(f"--sdpo.teacher_rate={c.sdpo.teacher_rate}: a rate, 0 to 1")
+        raise FlagError(f"--sdpo.teacher_rate={c.sdpo.teacher_rate}: a rate, 0 to 1")
     objective = objectives.OBJECTIVES[c.algo.name]  # a unit of the split: a prompt's samples, or a sample
     single = c.train.shuffle_samples and not (objective.keep_prompts_together or objective.references)
     units = c.train.prompts_per_step * (c.rollout.n if single else 1)
     if c.train.mini_batches > units:
-        raise ValueError(f"--train.mini_batches={c.train.mini_batches}: more optimizer steps than the {units} "
+        raise FlagError(f"--train.mini_batches={c.train.mini_batches}: more optimizer steps than the {units} "
                          f"{'prompts' if units == c.train.prompts_per_step else 'samples'} of a step")
     data.check_kinds(c.data.shapes_questions, "shapes_questions", data.SHAPES_QUESTION_KINDS)
     if c.data.shapes_warm_start_questions:  # else it would fail only once the warm start draws its rows
         data.check_kinds(c.data.shapes_warm_start_questions, "shapes_warm_start_questions", data.SHAPES_QUESTION_KINDS)
     if c.data.reward:
-        feedback.get_reward_fn(c.data.reward)  # raises naming the reward
+        try:
+            feedback.get_reward_fn(c.data.reward)
+        except ValueError as e:  # it names the reward
+            raise FlagError(f"--data.reward: {e}") from None
     if c.model.path:
         data.check_model_dir(c.model.path)
 
@@ -349,8 +414,8 @@ def recipe_name(cfg: Config) -> str:
     passed as --model.path (a warm start the benches reuse, a run's final model) keeps its task's."""
     if cfg.recipe != "auto":
         if cfg.recipe != "pretrained" and not os.path.exists(os.path.join(RECIPES_DIR, f"{cfg.recipe}.py")):
-            known = sorted(f[:-3] for f in os.listdir(RECIPES_DIR) if f.endswith(".py"))
-            raise ValueError(f"--recipe {cfg.recipe}: no recipes/{cfg.recipe}.py (known: pretrained, {', '.join(known)})")
+            raise FlagError(f"--recipe {cfg.recipe}: no recipes/{cfg.recipe}.py (known: pretrained, "
+                            f"{', '.join(recipe_names())})")
         return cfg.recipe
     if cfg.model.path and not data.built_here(cfg.model.path):
         return "pretrained"
@@ -377,7 +442,7 @@ def apply_flags(cfg: Config, flags: dict, source: str) -> Config:
         section, _, key = name.rpartition(".")
         target = getattr(cfg, section, None) if section else cfg
         if target is None or not hasattr(target, key):
-            raise ValueError(f"{source}: no flag --{name}")
+            raise FlagError(f"{source}: no flag --{name}")
         setattr(target, key, value)
     return cfg
 

@@ -41,7 +41,7 @@ class TaskConfig:
     """Difficulty of the synthetic tasks (all flags under --data.*)."""
     arith_digits: int = 2  # operand digits of the arithmetic task
     arith_ops: str = "+-"  # operators drawn from
-    strops_max_ops: int = 1  # program length 1..max_ops (1: a single op, the tiny model solves ~30%)
+    strops_max_ops: int = 1  # program length 1..max_ops (1: a single op, within the tiny model's reach)
     strops_str_len: int = 5  # input string length
     strops_shown: int = 2  # examples shown in the prompt
     strops_hidden: int = 2  # extra test cases only the checker sees
@@ -57,8 +57,8 @@ class TaskConfig:
     shapes_image_size: int = 112  # pixels a side (112: 16 image tokens for Qwen2-VL's 28-pixel units)
     quiz_questions: int = 3  # questions per quiz; all must be right
     # operands drawn from 2..quiz_max. 20: 722 facts, more than the tiny model learns in its warm
-    # start (~78% of lines right), so lines the feedback marks right are worth copying. At 9 it
-    # learns all 128 and solves every quiz after 600 steps: no group fails, nothing to teach.
+    # start, so lines the feedback marks right are worth copying. At 9 it learns all 128 and
+    # solves every quiz: no group fails, nothing to teach (docs/LOG.md).
     quiz_max: int = 20
     quiz_ops: str = "+*"  # operators drawn from (+ - *)
     quiz_feedback: str = QUIZ_FEEDBACK[0]  # a wrong line's feedback: "marks" (b:3*4 is wrong.) or "values" (b:3*4 is not 13.)
@@ -122,7 +122,7 @@ def grid_positions(grid: int) -> list[str]:
     rows = {1: ["middle"], 2: ["top", "bottom"], 3: ["top", "middle", "bottom"]}
     cols = {1: ["centre"], 2: ["left", "right"], 3: ["left", "centre", "right"]}
     if grid not in rows:
-        raise ValueError(f"shapes_grid must be 1, 2 or 3, got {grid}")
+        raise FlagError(f"--data.shapes_grid={grid}: must be 1, 2 or 3")
     return [f"{r} {c}" if grid > 1 else "centre" for r in rows[grid] for c in cols[grid]]
 
 
@@ -157,7 +157,7 @@ def check_kinds(value: str, flag: str, known) -> list[str]:
     """The kinds a comma-separated flag value lists; a ValueError naming the flag if one is unknown."""
     kinds = value.split(",")
     if unknown := set(kinds) - set(known):
-        raise ValueError(f"--data.{flag}={value}: unknown kinds {sorted(unknown)}; use any of {', '.join(known)}")
+        raise FlagError(f"--data.{flag}={value}: unknown kinds {sorted(unknown)}; use any of {', '.join(known)}")
     return kinds
 
 
@@ -165,7 +165,8 @@ def _shapes_row(rng: random.Random, cfg: TaskConfig) -> dict:
     positions, colours = grid_positions(cfg.shapes_grid), cfg.shapes_colours.split(",")
     kinds_asked = check_kinds(cfg.shapes_questions, "shapes_questions", SHAPES_QUESTION_KINDS)
     if not 1 <= cfg.shapes_max <= len(positions):
-        raise ValueError(f"shapes_max must be 1..{len(positions)} for a {cfg.shapes_grid}x{cfg.shapes_grid} grid")
+        raise FlagError(f"--data.shapes_max={cfg.shapes_max}: must be 1..{len(positions)} for a "
+                        f"{cfg.shapes_grid}x{cfg.shapes_grid} grid")
     n = rng.randint(1, cfg.shapes_max)
     shapes = [{"kind": rng.choice(SHAPE_KINDS), "colour": rng.choice(colours), "cell": cell,
                "scale": rng.choice((0.5, 0.6, 0.7)), "dx": rng.choice((-0.1, 0.0, 0.1)), "dy": rng.choice((-0.1, 0.0, 0.1))}
@@ -191,11 +192,11 @@ def _shapes_row(rng: random.Random, cfg: TaskConfig) -> dict:
         question, answer = position(rng.choice(once(lambda s: (s["colour"], s["kind"]))))
     else:
         if not 1 <= cfg.shapes_quiz_questions <= 26:
-            raise ValueError(f"--data.shapes_quiz_questions={cfg.shapes_quiz_questions}: questions are labelled "
+            raise FlagError(f"--data.shapes_quiz_questions={cfg.shapes_quiz_questions}: questions are labelled "
                              f"a-z, so 1 to 26")
         quiz_kinds = cfg.shapes_quiz_kinds.split(",")
         if unknown := set(quiz_kinds) - {"count", "colour", "position"}:
-            raise ValueError(f"--data.shapes_quiz_kinds: unknown kinds {sorted(unknown)}; use count, colour, position")
+            raise FlagError(f"--data.shapes_quiz_kinds: unknown kinds {sorted(unknown)}; use count, colour, position")
         # every question the picture answers unambiguously, in a fixed order (count, colours, positions)
         pool = [count] * ("count" in quiz_kinds) + \
             [colour(s) for s in once(lambda s: s["kind"]) if "colour" in quiz_kinds] + \
@@ -220,9 +221,9 @@ def _shapes_row(rng: random.Random, cfg: TaskConfig) -> dict:
 
 def _quiz_row(rng: random.Random, cfg: TaskConfig) -> dict:
     if not 1 <= cfg.quiz_questions <= 26:
-        raise ValueError(f"--data.quiz_questions={cfg.quiz_questions}: questions are labelled a-z, so 1 to 26")
+        raise FlagError(f"--data.quiz_questions={cfg.quiz_questions}: questions are labelled a-z, so 1 to 26")
     if cfg.quiz_feedback not in QUIZ_FEEDBACK:
-        raise ValueError(f"--data.quiz_feedback={cfg.quiz_feedback!r}: choose from {QUIZ_FEEDBACK}")
+        raise FlagError(f"--data.quiz_feedback={cfg.quiz_feedback!r}: choose from {QUIZ_FEEDBACK}")
     questions = []
     for label in string.ascii_lowercase[:cfg.quiz_questions]:
         a, b, op = rng.randint(2, cfg.quiz_max), rng.randint(2, cfg.quiz_max), rng.choice(cfg.quiz_ops)
@@ -300,7 +301,7 @@ def task_rows(task: str, split: str, n: int, seed: int = 0, cfg: TaskConfig | No
     """n distinct rows of a synthetic task's split ("train" or "test"), deterministic in seed;
     at_most: up to n, all there are where the split has fewer (the held-out rows)."""
     if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; choose from {sorted(TASKS)}")
+        raise FlagError(f"unknown task {task!r}; choose from {sorted(TASKS)}")
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     cfg = cfg or TaskConfig()
@@ -317,19 +318,37 @@ def task_rows(task: str, split: str, n: int, seed: int = 0, cfg: TaskConfig | No
             return rows
     if at_most and rows:
         return rows
-    raise ValueError(f"task {task!r} has fewer than {n} distinct {split} rows at this difficulty; "
+    raise DataError(f"task {task!r} has fewer than {n} distinct {split} rows at this difficulty; "
                      f"got {len(rows)} (raise the difficulty or lower n)")
 
 
 # ----------------------------------------------------------------------------------------
 # User datasets: JSONL or Parquet, with a mapping from our field names to the file's columns.
 
-FIELDS = ("prompt", "answer", "tests", "teacher_response", "system", "uid", "images")
+FIELDS = ("prompt", "answer", "tests", "teacher_response", "system", "uid", "images", "reward")
 IMAGE_PLACEHOLDER = "<image>"  # marks where an image of the `images` field goes in a string prompt (verl's geo3k)
 
 
-class DataError(ValueError):
-    pass
+class UserError(Exception):
+    """A mistake in what the user gave (a flag, a data file, a model path, the out_dir, a
+    checkpoint, a reward's setup), with a message that names it and says what to do: the
+    command line prints the message alone and exits with exit_code (run.py, `--debug` shows the
+    traceback). A bug raises any other type and keeps its traceback."""
+    exit_code = 1
+
+
+class FlagError(UserError, ValueError):
+    """A flag's value that cannot work (exit status 2, as for a flag the parser rejects)."""
+    exit_code = 2
+
+
+class PathError(UserError, OSError):
+    """A path given that cannot serve: a missing model directory or checkpoint, an out_dir that
+    cannot be written, is full or holds an earlier run."""
+
+
+class DataError(UserError, ValueError):
+    """A data file, row or field that cannot be read as the run needs it."""
 
 
 def parse_field_map(spec: str) -> dict:
@@ -656,6 +675,12 @@ def _file_row(record: dict, path: str, row_no: int, mapping: dict, reward: str) 
                             f"(data.MAX_TEXT_CHARS)")
     tests = column(record, mapping["tests"])
     uid = column(record, mapping["uid"])
+    reward = reward or column(record, mapping["reward"])  # --data.reward, else the row's own
+    if not reward or not isinstance(reward, str):
+        from feedback import BUILTIN
+        raise DataError(f"{where('reward')}: {'missing' if not reward else f'not a name: {reward!r}'}, and "
+                        f"--data.reward is not set: pass --data.reward {'|'.join(sorted(BUILTIN))}|"
+                        f"module:function|path/file.py:function, or give every row a reward name")
     return {
         "uid": str(uid) if uid is not None else f"{os.path.basename(path)}:{row_no}",
         "messages": messages,
@@ -666,6 +691,8 @@ def _file_row(record: dict, path: str, row_no: int, mapping: dict, reward: str) 
         "reward": reward,
         "source": f"{path}, row {row_no}",
         **({"images": images} if images else {}),
+        # the file's own columns, as read (the images' aside): a reward may read any of them
+        "columns": {k: v for k, v in record.items() if k != mapping["images"]},
     }
 
 
@@ -734,7 +761,7 @@ def keep_images(tokenizer, ids: list[int], cut: list[int], limit: str) -> list[i
     half-cut placeholder would no longer match the row's images."""
     vision = set(tokenizer.convert_tokens_to_ids([t for t in VISION_TOKENS if t in tokenizer.get_vocab()]))
     if sum(t in vision for t in cut) != sum(t in vision for t in ids):
-        raise ValueError(f"a prompt with images is {len(ids)} tokens (before its image tokens are expanded); "
+        raise DataError(f"a prompt with images is {len(ids)} tokens (before its image tokens are expanded); "
                          f"cutting it to {len(cut)} would cut through an image: raise {limit}")
     return cut
 
@@ -744,7 +771,7 @@ def reference_response_ids(tokenizer, row: dict, eos_id: int, needed_by: str, ke
     finished generation ends (a last-token difference is the one thing a comparison must not
     learn). needed_by names the flag that asked for it, for the error on a row without one."""
     if not row.get(key):
-        raise ValueError(f"{row['source']}: {needed_by} needs a reference response (field 'teacher_response')")
+        raise DataError(f"{row['source']}: {needed_by} needs a reference response (field 'teacher_response')")
     return tokenizer(row[key], add_special_tokens=False)["input_ids"] + [eos_id]
 
 
@@ -893,7 +920,40 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TINY_RECIPE_VERSION = 3  # bump when the code below (or the task text it trains the tokenizer on) changes
+# The source a tiny model's build runs: this file (the model, and the tasks' text its tokenizer is
+# trained on) and the task modules it imports. Their code is part of the cache key (source_hash).
+TINY_SOURCES = ("data.py", "feedback/__init__.py", "feedback/quiz.py", "feedback/shapes.py", "feedback/strops.py")
+PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def source_hash(files) -> str:
+    """A hash of the code in files (paths relative to the project's directory, or absolute), for
+    the key of a cache entry built by running it: an edit to that code changes it, an edit to a
+    comment, a docstring, the layout or any other file does not. Python files are hashed as
+    their syntax tree without docstrings, other files byte for byte."""
+    digest = hashlib.sha1()
+    for name in files:
+        path = os.path.join(PROJECT_DIR, name)
+        stat = os.stat(path)
+        digest.update(_code_digest(path, stat.st_mtime_ns, stat.st_size))
+    return digest.hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=64)
+def _code_digest(path: str, mtime_ns: int, size: int) -> bytes:
+    """source_hash's part for one file (cached while the file is unchanged: parsing takes ~0.1 s)."""
+    import ast
+    with open(path, "rb") as f:
+        text = f.read()
+    if path.endswith(".py"):
+        tree = ast.parse(text)
+        for node in ast.walk(tree):  # docstrings: the first statement of a body, a string
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                    and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        text = ast.dump(tree).encode()
+    return hashlib.sha1(text).digest()
 
 
 @dataclass
@@ -911,7 +971,8 @@ def _tokenizer_corpus(seed: int) -> list[str]:
     """Text the tokenizer is trained on: prompts and answers of both tasks, and the SDPO
     reprompt and feedback vocabulary, so that teacher contexts tokenise compactly."""
     texts = []
-    # fixed: the tokenizer must not move with the task defaults (a new text task bumps the recipe)
+    # fixed: the tokenizer must not move with the task defaults (a new text task is new code here:
+    # the cache key, source_hash, builds a new tiny model)
     corpus_tasks = TaskConfig(strops_max_ops=2, quiz_ops="+-*", quiz_max=12)
     for task in TEXT_TASKS:
         for split in ("train", "test"):
@@ -979,14 +1040,14 @@ def build_tiny_model(out_dir: str, cfg: TinyModelConfig) -> str:
     return out_dir
 
 
-def _cached_build(kind: str, build, cfg, version: int, cache_dir: str | None) -> str:
-    """The directory build(dir, cfg) writes, cached under a hash of (kind, version, cfg): built
-    on first use and whenever its recipe changes.
+def _cached_build(kind: str, build, cfg, cache_dir: str | None) -> str:
+    """The directory build(dir, cfg) writes, cached under a hash of (kind, cfg, the code of
+    TINY_SOURCES): built on first use and whenever its recipe or that code changes.
 
     Concurrent builders (torchrun ranks, parallel tests) each build into a temporary
     directory and rename it into place; the first rename wins and the others are dropped.
     """
-    recipe = json.dumps({"version": version, **cfg.__dict__}, sort_keys=True)
+    recipe = json.dumps({"source": source_hash(TINY_SOURCES), **cfg.__dict__}, sort_keys=True)
     cache_dir = cache_dir or os.environ.get("SDPO_CACHE", os.path.expanduser("~/.cache/sdpo"))
     path = os.path.join(cache_dir, kind + "-" + hashlib.sha1(recipe.encode()).hexdigest()[:12])
     if os.path.exists(os.path.join(path, "recipe.json")):
@@ -1008,7 +1069,7 @@ def _cached_build(kind: str, build, cfg, version: int, cache_dir: str | None) ->
 
 def tiny_model_dir(cfg: TinyModelConfig | None = None, cache_dir: str | None = None) -> str:
     """The cached tiny model for cfg (see _cached_build)."""
-    return _cached_build("tiny", build_tiny_model, cfg or TinyModelConfig(), TINY_RECIPE_VERSION, cache_dir)
+    return _cached_build("tiny", build_tiny_model, cfg or TinyModelConfig(), cache_dir)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -1021,7 +1082,7 @@ def check_model_dir(path: str, flag: str = "--model.path") -> str:
     and what is missing. (Transformers, given a directory without a tokenizer, complains about
     sentencepiece and names no directory.)"""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{flag} {path}: no such directory; {MODEL_DIR}")
+        raise PathError(f"{flag} {path}: no such directory; {MODEL_DIR}")
     if not os.path.isdir(path):
         raise DataError(f"{flag} {path}: not a directory; {MODEL_DIR}")
     names = os.listdir(path)
@@ -1053,7 +1114,6 @@ VLM_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-TINY_VLM_RECIPE_VERSION = 2  # bump when the code below (or _tokenizer_corpus) changes what it builds
 
 
 @dataclass
@@ -1106,7 +1166,7 @@ def build_tiny_vlm(out_dir: str, cfg: TinyVLMConfig) -> str:
 
 def tiny_vlm_dir(cfg: TinyVLMConfig | None = None, cache_dir: str | None = None) -> str:
     """The cached tiny vision-language model for cfg (see _cached_build)."""
-    return _cached_build("tiny-vlm", build_tiny_vlm, cfg or TinyVLMConfig(), TINY_VLM_RECIPE_VERSION, cache_dir)
+    return _cached_build("tiny-vlm", build_tiny_vlm, cfg or TinyVLMConfig(), cache_dir)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1265,9 +1325,9 @@ def read_rows(cfg, announce: bool = False):
             print(f"data: {d.task} has {len(held_out)} distinct held-out rows at this difficulty, fewer than "
                   f"--data.eval_rows={d.eval_rows}: evaluating all of them", file=sys.stderr)
         return task_rows(d.task, "train", d.train_rows, seed=cfg.train.seed, cfg=d), held_out
-    rows = load_rows(d.task, d.fields, d.reward or "math")
+    rows = load_rows(d.task, d.fields, d.reward)  # without --data.reward: each row's own, else refused
     if d.eval_path:
-        held_out = load_rows(d.eval_path, d.fields, d.reward or "math", limit=d.eval_rows)
+        held_out = load_rows(d.eval_path, d.fields, d.reward, limit=d.eval_rows)
         if announce:
             print(f"data: {len(rows)} training rows from {d.task}, {len(held_out)} held-out rows from {d.eval_path}",
                   file=sys.stderr)

@@ -597,7 +597,7 @@ def _use_plugins(env: dict):
 
 def rank0_call(d: Dist, fn, share: bool = True):
     """Run fn on rank 0 and hand its result (when share), or its error, to every rank (an
-    EngineError stays one).
+    EngineError or a data.UserError stays one).
 
     Without this, an engine that dies on rank 0 leaves the other ranks waiting forever.
     """
@@ -611,16 +611,22 @@ def rank0_call(d: Dist, fn, share: bool = True):
             if world > 1:
                 # Now, not after unwinding: the other ranks exit first, and torchrun then stops
                 # this one while it closes the engine, before Python prints the traceback.
+                # A user's mistake: its message alone (run.cli prints no more of it).
                 import traceback
-                print("rank 0 failed:", "".join(traceback.format_exception(e)), file=sys.stderr, flush=True)
+                reported = isinstance(e, data.UserError)
+                if reported:
+                    e.reported = True
+                print(f"error: {e}" if reported else "rank 0 failed: " + "".join(traceback.format_exception(e)),
+                      file=sys.stderr, flush=True)
     if world > 1:
         box = [(result if share else None, None if error is None else f"{type(error).__name__}: {error}",
-                isinstance(error, EngineError))]
+                EngineError if isinstance(error, EngineError) else data.UserError
+                if isinstance(error, data.UserError) else RuntimeError)]
         dist.broadcast_object_list(box, src=0)
-        shared, message, engine_failed = box[0]
+        shared, message, kind = box[0]
         result = shared if share or rank != 0 else result
         if message and rank != 0:
-            raise (EngineError if engine_failed else RuntimeError)(f"rank 0 failed: {message}")
+            raise kind(f"rank 0 failed: {message}")
     if error is not None:
         raise error
     return result
@@ -663,9 +669,9 @@ def reward_function(cfg: Config, row: dict):
     try:
         kwargs = json.loads(cfg.data.reward_kwargs)
     except json.JSONDecodeError as e:
-        raise ValueError(f"--data.reward_kwargs is not a JSON object: {e}") from None
+        raise data.FlagError(f"--data.reward_kwargs is not a JSON object: {e}") from None
     if not isinstance(kwargs, dict):
-        raise ValueError(f"--data.reward_kwargs must be a JSON object, got {cfg.data.reward_kwargs!r}")
+        raise data.FlagError(f"--data.reward_kwargs must be a JSON object, got {cfg.data.reward_kwargs!r}")
     return functools.partial(fn, **kwargs)
 
 
@@ -676,7 +682,7 @@ def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
     # not in a thread of the trainer's (the GIL, and on CPU the trainer's OpenMP threads).
     ahead = cfg.train.off_policy_steps > 0
     if ahead and cfg.rollout.engine_process == "inprocess":
-        raise ValueError("--train.off_policy_steps 1 needs the engine in its own process "
+        raise data.FlagError("--train.off_policy_steps 1 needs the engine in its own process "
                          "(--rollout.engine_process own or auto)")
     own = {"auto": True if ahead else None, "inprocess": False, "own": True}[cfg.rollout.engine_process]
     cores = None

@@ -3,7 +3,7 @@
     python run.py                                          # the default job: tiny model, CPU
     torchrun --nproc_per_node=2 run.py --algo grpo         # FSDP2 over two ranks
     python run.py --model.path /models/Qwen3-8B --data.task /data/train.parquet \
-        --data.fields prompt=question,answer=solution --rollout.placement separate
+        --data.fields prompt=question,answer=solution --data.reward math --rollout.placement separate
 
 Every knob is a flag (`python run.py --help`, config.py). The loop in `train` reads top to
 bottom as the algorithm (docs/loop.md); the mechanics live next door (README, Files).
@@ -20,8 +20,9 @@ import torch
 
 import data
 import objectives
-from checkpoint import check_out_dir, checkpoint_path, load_checkpoint, save_checkpoint, save_hf
-from config import Config, describe, parse_config
+from checkpoint import (check_out_dir, checkpoint_path, drop_empty_run_dirs, load_checkpoint, run_dir, save_checkpoint,
+                        save_hf)
+from config import Config, debugging, describe, parse_config
 from data import batch_rows, read_rows, stream_seed
 from evaluate import baseline_evaluation, evaluate, evaluate_only, evaluate_start, evaluation_due, success_rate
 from logger import Logger, step_time
@@ -210,6 +211,10 @@ def prepare_rollouts(engine, tokenizer, rows, cfg: Config, objective, step: int)
         "response/truncated_frac": sum(r.truncated for r in rollouts) / n,
     }
     errors = [r for r in rollouts if r.reward_error]
+    if errors and len(errors) == n:  # nothing was scored: training on zeros would only hide it
+        first, name = errors[0], cfg.data.reward or errors[0].row["reward"]
+        raise data.UserError(f"step {step + 1}: all {n} rewards raised, so nothing was scored; the reward {name!r} "
+                             f"on {first.row['source']}: {first.reward_error}")
     if errors:
         print(f"[step {step + 1}] {len(errors)} reward errors, e.g. {errors[0].row['source']}: {errors[0].reward_error}",
               file=sys.stderr)
@@ -348,8 +353,10 @@ def ctrl_c_wins():
 def main(argv=None):
     cfg = parse_config(argv)
     d = setup_distributed()
+    cfg.log.out_dir = rank0_call(d, lambda: run_dir(cfg))  # named once, on rank 0
     if d.rank == 0:
         print(describe(cfg), flush=True)
+        print(f"out_dir: {cfg.log.out_dir}", flush=True)
     rank0_call(d, lambda: check_out_dir(cfg, resuming=bool(cfg.train.resume)))  # not after the warm start
     if cfg.data.task not in data.TASKS and not cfg.model.path:  # a file's rows, before a warm start's minutes
         rank0_call(d, lambda: load_data(cfg), share=False)
@@ -365,5 +372,23 @@ def main(argv=None):
     return metrics
 
 
+def cli(argv=None) -> int:
+    """main() for the command line. A user's mistake (a data.UserError: a flag, a data file, a
+    path, a checkpoint, a reward's setup; a code sandbox that cannot isolate) prints its message
+    alone, once, and the exit status is non-zero (2 for a flag); --debug or SDPO_DEBUG=1 show the
+    traceback. Any other exception is a bug and keeps its traceback."""
+    from feedback.sandbox import SandboxUnavailable
+    try:
+        main(argv)
+    except (data.UserError, SandboxUnavailable) as e:
+        drop_empty_run_dirs()
+        if debugging(argv):
+            raise
+        if os.environ.get("RANK", "0") == "0" and not getattr(e, "reported", False):  # once, under torchrun too
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return getattr(e, "exit_code", 1)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

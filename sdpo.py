@@ -28,7 +28,10 @@ class SdpoConfig:
     success_threshold: float = 0.5  # a rollout is a success when its reward >= this
     dont_reprompt_on_self_success: bool = True  # a success never demonstrates for itself
     remove_thinking_from_demonstration: bool = True
-    include_environment_feedback: bool = True
+    # Demonstrations only: the paper's configuration without environment feedback. A weak
+    # pretrained model reads feedback badly (docs/results.md); the tiny model's warm start teaches
+    # it to, and recipes/tiny.py turns it on.
+    include_environment_feedback: bool = False
     environment_feedback_only_without_solution: bool = True  # feedback only when no demonstration
     reprompt_template: str = "{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n"
     solution_template: str = "\nCorrect solution:\n\n{successful_previous_attempt}\n\n"

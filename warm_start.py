@@ -3,9 +3,10 @@
 The warm start is `--algo sft` on the task's reference answers with the
 --train.warm_start_* values (its recipe: recipes/), a share of the prompts shown as SDPO
 teacher contexts so that the tiny model learns to use what the teacher is shown. It is cached
-under a hash of everything it reads, and may stop early at --train.warm_start_target,
-estimated without sampling (reference_success). GAD's self-made black-box teacher is a warm
-start of its own, whose sampled answers become a data file (with_teacher_data).
+under a hash of the values it reads and the code it runs (WARM_START_SOURCES), and may stop
+early at --train.warm_start_target, estimated without sampling (reference_success). GAD's
+self-made black-box teacher is a warm start of its own, whose sampled answers become a data
+file (with_teacher_data).
 """
 import dataclasses
 import hashlib
@@ -24,6 +25,12 @@ from objectives import Dist, Rollout
 from policy import load_tokenizer, pad_token_id
 from rollout import generate_and_score, rank0_call, start_engine
 
+# The code a warm start runs (an SFT run of the loop on the task's references, its prompts partly
+# SDPO teacher contexts with the checkers' feedback), beyond the tiny model's data.TINY_SOURCES:
+# part of its cache key, so that an edit to a generator, a checker, a template, the SFT loss or
+# the loop builds it anew (data.source_hash; comments and docstrings aside).
+WARM_START_SOURCES = ("run.py", "warm_start.py", "config.py", "policy.py", "update.py", "objectives.py", "losses.py",
+                      "sdpo.py", "evaluate.py", *data.TINY_SOURCES, "feedback/math.py")  # the tasks' checkers
 
 
 def tiny_model_dir(cfg: Config) -> str:
@@ -52,7 +59,8 @@ def warm_start_config(cfg: Config, tiny: str) -> Config:
         # a cache entry without its final model is an interrupted build: rebuilt from scratch
         log=dataclasses.replace(cfg.log, wandb_mode="disabled", overwrite=True),
         eval_only=False, ttt_prompts=0)  # those modes are for the RL run, not its warm start
-    key = json.dumps([tiny, *warm_start_key(cfg, warm, warm_train)], sort_keys=True)
+    key = json.dumps([tiny, data.source_hash(WARM_START_SOURCES), *warm_start_key(cfg, warm, warm_train)],
+                     sort_keys=True)
     path = tiny + "-sft-" + hashlib.sha1(key.encode()).hexdigest()[:10]
     return dataclasses.replace(warm, log=dataclasses.replace(warm.log, out_dir=path))
 

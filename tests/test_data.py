@@ -100,7 +100,7 @@ def test_tiny_model_dir_builds_once_and_reuses_the_cache(tmp_path, monkeypatch):
     assert os.path.dirname(path) == cache
     with open(os.path.join(path, "recipe.json")) as f:
         recipe = json.load(f)
-    assert recipe["version"] == data.TINY_RECIPE_VERSION and recipe["num_layers"] == 1
+    assert recipe["source"] == data.source_hash(data.TINY_SOURCES) and recipe["num_layers"] == 1
     assert [n for n in os.listdir(cache) if n.startswith(".build-")] == []  # no temporary left behind
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.num_hidden_layers == 1
@@ -138,11 +138,35 @@ def test_a_changed_recipe_gets_a_new_cache_path(tmp_path, monkeypatch):
         path = data.tiny_model_dir(TinyModelConfig(**{**SMALL.__dict__, **change}), cache_dir=cache)
         assert path not in paths, change
         paths.add(path)
-    monkeypatch.setattr(data, "TINY_RECIPE_VERSION", data.TINY_RECIPE_VERSION + 1)
+    monkeypatch.setattr(data, "source_hash", lambda files: "edited")  # the code it runs changed
     bumped = data.tiny_model_dir(SMALL, cache_dir=cache)
     assert bumped not in paths
     assert len(built) == 8
     assert all(os.path.exists(os.path.join(p, "marker")) for p in paths | {bumped})
+
+
+def test_the_cache_keys_follow_the_code_a_build_runs(tmp_path, monkeypatch):
+    """An edit to a task generator's code gives the tiny model and its warm start new cache
+    entries; an edit to its comments or docstrings, or to a file the build does not run, does not."""
+    import warm_start
+    monkeypatch.setattr(data, "build_tiny_model", lambda out_dir, cfg: out_dir)
+    generator = tmp_path / "strops.py"
+    with open(os.path.join(data.PROJECT_DIR, "feedback", "strops.py")) as f:
+        original = f.read()
+
+    def keys(source: str):
+        generator.write_text(source)
+        swap = lambda files: tuple(str(generator) if f == "feedback/strops.py" else f for f in files)
+        monkeypatch.setattr(data, "TINY_SOURCES", swap(data.TINY_SOURCES))
+        monkeypatch.setattr(warm_start, "WARM_START_SOURCES", swap(warm_start.WARM_START_SOURCES))
+        tiny = data.tiny_model_dir(SMALL, cache_dir=str(tmp_path / "cache"))
+        return tiny, warm_start.warm_start_config(run.parse_config([]), tiny).log.out_dir
+
+    base = keys(original)
+    assert keys(original.replace('"""', '"""Edited. ', 1) + "\n# a comment\n") == base
+    edited = keys(original + "\nOPS_ADDED = 1\n")
+    assert edited[0] != base[0] and edited[1] != base[1]
+    assert all(f.endswith(".py") for f in warm_start.WARM_START_SOURCES)  # README, docs, benches: not in a key
 
 
 def test_a_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
@@ -818,7 +842,7 @@ def test_an_exact_copy_of_a_row_is_dropped_with_a_warning(tmp_path, capsys):
 def test_check_model_dir_names_the_path_and_what_is_missing(tmp_path, tiny_dir):
     assert data.check_model_dir(tiny_dir) == tiny_dir
     missing = str(tmp_path / "nowhere")
-    with pytest.raises(FileNotFoundError, match=rf"^--model.path {re.escape(missing)}: no such directory; "
+    with pytest.raises(data.PathError, match=rf"^--model.path {re.escape(missing)}: no such directory; "
                                                 r"a model directory holds config.json"):
         data.check_model_dir(missing)
     (tmp_path / "model.safetensors").write_text("")
@@ -993,3 +1017,58 @@ def test_pack_responses_properties(shape):
     matrix = torch.full((len(seqs) * R,), -1, dtype=torch.long).index_copy(0, token_index, targets).view(len(seqs), R)
     expected = [s[len(s) - r:] + [-1] * (R - r) for s, r in zip(seqs, lens)]
     assert matrix.tolist() == expected
+
+
+def test_a_file_without_a_reward_is_refused_and_a_row_keeps_the_files_columns(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2?", "answer": "4", "difficulty": 3}) + "\n")
+    cfg = run.parse_config([f"--data.task={path}"])
+    with pytest.raises(data.DataError, match=r"d.jsonl, row 1, field 'reward' \(column 'reward'\): missing, and "
+                                             r"--data.reward is not set: pass --data.reward code\|math\|mc\|"):
+        data.read_rows(cfg)
+    row = data.load_rows(str(path), reward="math")[0]
+    assert row["reward"] == "math" and row["columns"] == {"prompt": "2+2?", "answer": "4", "difficulty": 3}
+    path.write_text(json.dumps({"prompt": "2+2?", "answer": "4", "grader": "mc"}) + "\n")
+    assert data.load_rows(str(path), fields="reward=grader", reward="")[0]["reward"] == "mc"  # the row's own
+    assert data.load_rows(str(path), fields="reward=grader", reward="math")[0]["reward"] == "math"  # the flag wins
+
+
+def test_the_custom_reward_example_in_docs_reads_a_column_of_the_file(tmp_path):
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data.md")) as f:
+        example = re.search(r"```python\n(# my_reward\.py.*?)```", f.read(), re.S).group(1)
+    (tmp_path / "my_reward.py").write_text(example)
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "How far?", "answer": "42", "unit": "km"}) + "\n")
+    row = data.load_rows(str(path), reward=f"{tmp_path / 'my_reward.py'}:reward")[0]
+    fn = feedback.get_reward_fn(row["reward"])
+    assert fn("42 km", row, False) == 1.0
+    assert fn("42", row, False) == {"score": 0.0, "feedback": "Give the number with its unit (km)."}
+
+
+def test_the_adding_a_task_example_in_docs_generates_checks_and_recipes(tmp_path):
+    """docs/data.md's worked example, as written: its rows, its checker's scores and feedback, its recipe's flags."""
+    import random
+    from types import SimpleNamespace
+    from config import Config, apply_flags
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data.md")) as f:
+        blocks = dict(re.findall(r"```python\n# (\S+)\n(.*?)```", f.read(), re.S))
+    generator = dict(vars(data))
+    exec(blocks["data.py"], generator)
+    difficulty = SimpleNamespace(sort_len=5, heldout_percent=10)
+    rows = [generator["_sort_row"](random.Random(seed), difficulty) for seed in range(20)]
+    assert len({r["uid"] for r in rows}) == 20
+    (tmp_path / "sort.py").write_text(blocks["feedback/sort.py"])
+    check = feedback.get_reward_fn(f"{tmp_path / 'sort.py'}:sort_reward")
+    row = rows[0]
+    numbers = row["answer"].split()
+    assert check(row["reference"], row, False).score == 1.0
+    swapped = " ".join([numbers[1], numbers[0]] + numbers[2:])
+    wrong = check(f"Answer: {swapped}", row, False)
+    assert wrong.score == 0.0 and (numbers[0] == numbers[1] or "place 1" in wrong.feedback)
+    assert row["answer"] not in wrong.feedback
+    assert "exactly once (you gave 4)" in check("Answer: " + " ".join(numbers[:4]), row, False).feedback
+    assert check(row["reference"], row, True).score == 0.0
+    recipe = {}
+    exec(blocks["recipes/sort.py"], recipe)
+    assert recipe["BASE"] == "tiny"
+    assert apply_flags(Config(), recipe["FLAGS"], "recipes/sort.py").train.warm_start_steps == 200

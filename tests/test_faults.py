@@ -18,6 +18,7 @@ import psutil
 import pytest
 import torch
 
+import data
 import objectives
 import rollout
 import run
@@ -79,7 +80,7 @@ def test_resume_takes_the_latest_complete_checkpoint_of_an_out_dir(tiny_dir, tmp
     # a synchronous run resuming the same checkpoint generates its batch itself
     assert run.load_checkpoint(str(tmp_path / "checkpoint-2"), fresh, run.parse_config([]), ONE_PROCESS)[1] is None
 
-    with pytest.raises(FileNotFoundError, match="neither a checkpoint"):
+    with pytest.raises(data.PathError, match="neither a checkpoint"):
         run.checkpoint_path(str(tmp_path / "nowhere"))
 
 
@@ -162,7 +163,7 @@ def test_out_dir_without_room_for_the_run_is_named(tiny_dir, tmp_path, monkeypat
 def test_out_dir_holding_an_earlier_runs_checkpoints_is_refused_unless_resuming(tmp_path):
     (tmp_path / "checkpoint-40").mkdir()
     cfg = run.parse_config([f"--log.out_dir={tmp_path}"])
-    with pytest.raises(FileExistsError, match=f"continue it with --train.resume {tmp_path}"):
+    with pytest.raises(data.PathError, match=f"continue it with --train.resume {tmp_path}"):
         run.check_out_dir(cfg, resuming=False)
     run.check_out_dir(cfg, resuming=True)
 
@@ -173,7 +174,7 @@ def test_out_dir_holding_an_earlier_run_is_refused_unless_resuming_or_overwritin
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
     (tmp_path / "final").mkdir()
     cfg = run.parse_config([f"--log.out_dir={tmp_path}"])
-    with pytest.raises(FileExistsError, match="holds an earlier run .*--log.overwrite=True"):
+    with pytest.raises(data.PathError, match="holds an earlier run .*--log.overwrite=True"):
         run.check_out_dir(cfg, resuming=False)
     assert (tmp_path / "metrics.jsonl").exists()  # refusing loses nothing
     run.check_out_dir(cfg, resuming=True)
@@ -188,7 +189,7 @@ def test_a_checkpoint_with_a_truncated_shard_is_named(tiny_dir, tmp_path):
     run.save_checkpoint(str(path), trainer, 1, None, ONE_PROCESS)
     shard = next(f for f in path.iterdir() if f.name.endswith(".distcp"))
     shard.write_bytes(shard.read_bytes()[:1000])
-    with pytest.raises(RuntimeError, match=f"checkpoint {path} cannot be read .*{shard.name}"):
+    with pytest.raises(data.PathError, match=f"checkpoint {path} cannot be read .*{shard.name}"):
         run.load_checkpoint(str(path), _trainer(tiny_dir), run.parse_config([]), ONE_PROCESS)
 
 

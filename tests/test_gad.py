@@ -292,10 +292,11 @@ def test_a_row_without_teacher_response_is_refused_naming_file_row_and_field(tmp
     with open(path, "w") as f:
         f.write(json.dumps({"prompt": "1+1?", "answer": "2", "teacher_response": "Answer: 2"}) + "\n")
         f.write(json.dumps({"prompt": "2+2?", "answer": "4"}) + "\n")
-    cfg = run.parse_config(["--algo=gad", f"--data.task={path}", f"--data.eval_path={path}"])
+    cfg = run.parse_config(["--algo=gad", f"--data.task={path}", "--data.reward=math", f"--data.eval_path={path}"])
     with pytest.raises(data.DataError, match=rf"{path}, row 2, field 'teacher_response'"):
         run.load_data(cfg)
-    run.load_data(run.parse_config(["--algo=grpo", f"--data.task={path}", f"--data.eval_path={path}"]))  # others: fine
+    run.load_data(run.parse_config(["--algo=grpo", f"--data.task={path}", "--data.reward=math",
+                                    f"--data.eval_path={path}"]))  # others: fine
 
 
 def _teacher_file(tmp_path, n=40):

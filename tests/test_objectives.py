@@ -66,7 +66,7 @@ def test_objective_gives_the_pinned_gradients_and_metrics(name, flags):
 def test_the_algo_flag_offers_exactly_the_rows_of_the_table():
     for name in OBJECTIVES:
         assert run.parse_config([f"--algo={name}"]).algo.name == name
-    with pytest.raises(SystemExit):
+    with pytest.raises(run.data.FlagError, match="invalid choice 'ppo'"):  # a message, exit status 2 (run.cli)
         run.parse_config(["--algo=ppo"])
 
 

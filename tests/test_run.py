@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import checkpoint
 import data
 import feedback
 import objectives
@@ -35,28 +36,146 @@ ONE_PROCESS = run.Dist(0, 1, CPU)
 # flags
 
 
-def test_sweep_file_command_lines_parse():
-    import itertools
-
+def _sweep():
     import yaml
     with open(os.path.join(ROOT, "sweeps", "sdpo_alpha_topk.yaml")) as f:
-        sweep = yaml.safe_load(f)
-    assert sweep["program"] == "run.py"
-    params = sweep["parameters"]
-    names = list(params)
+        return yaml.safe_load(f)
+
+
+def _sweep_grid():
+    """The shipped sweep's grid points, as `wandb agent` passes them: --name=value each."""
+    import itertools
+    params = _sweep()["parameters"]
     choices = [p["values"] if "values" in p else [p["value"]] for p in params.values()]
-    combos = list(itertools.product(*choices))
-    assert len(combos) == 12
-    for combo in combos:
-        # what `wandb agent` passes: --name=value with Python's str() of the value
-        cfg = run.parse_config([f"--{n}={v}" for n, v in zip(names, combo)])
-        values = dict(zip(names, combo))
+    return [[f"--{n}={v}" for n, v in zip(params, combo)] for combo in itertools.product(*choices)]
+
+
+def test_sweep_file_command_lines_parse():
+    assert _sweep()["program"] == "run.py"
+    grid = _sweep_grid()
+    assert len(grid) == 12
+    for point in grid:
+        cfg = run.parse_config(point)
+        values = dict(a[2:].split("=", 1) for a in point)  # Python's str() of each value, as the agent passes it
         assert cfg.algo.name == values["algo"]
-        assert cfg.sdpo.alpha == values["sdpo.alpha"]
-        assert cfg.sdpo.topk == values["sdpo.topk"]
-        assert cfg.sdpo.teacher_rate == values["sdpo.teacher_rate"]
+        assert cfg.sdpo.alpha == float(values["sdpo.alpha"])
+        assert cfg.sdpo.topk == int(values["sdpo.topk"])
+        assert cfg.sdpo.teacher_rate == float(values["sdpo.teacher_rate"])
         assert cfg.sdpo.add_tail is True
         assert cfg.log.wandb_mode == "online"
+
+
+def test_runs_without_out_dir_get_a_folder_each_and_latest_links_the_newest(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(checkpoint.time, "strftime", lambda fmt: "20261127-120000")  # two starts in one second
+    cfg = run.parse_config(["--algo=grpo", "--data.task=/data/My Set.v2.jsonl"])
+    first, second = run.run_dir(cfg), run.run_dir(cfg)
+    assert re.fullmatch(r"runs/\d{8}-\d{6}-grpo-My_Set", first) and second == first + "-2"
+    assert os.path.realpath("runs/latest") == os.path.realpath(second)
+    assert run.run_dir(run.parse_config([f"--log.out_dir={tmp_path}/mine"])) == f"{tmp_path}/mine"
+    os.makedirs(os.path.join(first, "checkpoint-3", ".metadata"))
+    assert run.run_dir(run.parse_config([f"--train.resume={first}"])) == first  # resuming: the run's own folder
+
+
+@pytest.mark.slow
+def test_the_sweeps_first_two_points_run_back_to_back_each_in_its_own_folder(tmp_path):
+    """What a user's second `python run.py` and a sweep agent's second run do: start, in a new
+    folder with its own wandb run (offline here: no network), runs/latest the newest."""
+    small = [a for a in SMALL if not a.startswith("--log.wandb_mode")] + ["--log.wandb_mode=offline"]
+    dirs = []
+    for point in _sweep_grid()[:2]:
+        agent_args = [a for a in point if not a.startswith("--log.wandb_mode")]  # online needs the network
+        proc = _run(agent_args + small, cwd=tmp_path)
+        dirs.append(re.search(r"^out_dir: (.+)$", proc.stdout, re.M).group(1))
+    assert dirs[0] != dirs[1] and all(d.startswith("runs/") for d in dirs)
+    assert os.path.realpath(tmp_path / "runs" / "latest") == os.path.realpath(tmp_path / dirs[1])
+    for d, point in zip(dirs, _sweep_grid()[:2]):
+        assert [r["step"] for r in _metrics(tmp_path / d)] == [0, 1, 2]
+        with open(tmp_path / d / "config.json") as f:
+            saved = json.load(f)
+        assert f"--sdpo.teacher_rate={saved['sdpo']['teacher_rate']}" in point  # the agent's values
+        assert saved["sdpo"]["topk"] == 16 and saved["log"]["out_dir"] == d  # flags after the agent's win
+        assert os.path.isdir(tmp_path / d / "wandb")
+        assert undocumented_metrics(k for r in _metrics(tmp_path / d) for k in r) == []
+
+
+def test_user_errors_print_their_message_alone_and_exit_non_zero(tmp_path, monkeypatch, capsys):
+    """A flag, a data file, a model path, a used out_dir, a checkpoint, a reward's setup: one
+    message naming it, no traceback, exit status 2 for a flag, 1 otherwise; --debug raises."""
+    monkeypatch.chdir(tmp_path)
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "metrics.jsonl").write_text("")
+    cases = [(["--optim.lr=-0.001"], 2, "--optim.lr=-0.001: must be > 0"),
+             (["--optim.lrr=1"], 2, "--optim.lrr=1; did you mean --optim.lr?"),
+             (["--train.steps=two"], 2, "--train.steps"),
+             (["--data.reward=nope"], 2, "--data.reward: unknown reward function 'nope'"),
+             ([f"--data.task={tmp_path / 'none.jsonl'}"], 1, f"{tmp_path / 'none.jsonl'}: no such file"),
+             ([f"--model.path={tmp_path / 'none'}"], 1, f"--model.path {tmp_path / 'none'}: no such directory"),
+             ([f"--log.out_dir={used}"], 1, f"--log.out_dir {used} holds an earlier run"),
+             ([f"--train.resume={tmp_path}"], 1, f"--train.resume {tmp_path}: neither a checkpoint")]
+    for argv, status, message in cases:
+        assert run.cli(argv) == status, argv
+        err = capsys.readouterr().err
+        assert message in err and err.startswith("error: ") and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) <= 3, err
+    assert sorted(os.listdir(tmp_path)) == ["used"]  # the runs stopped at the start left no empty folder
+    with pytest.raises(data.FlagError):
+        run.cli(["--optim.lr=-0.001", "--debug"])
+    monkeypatch.setenv("SDPO_DEBUG", "1")
+    with pytest.raises(data.PathError):
+        run.cli([f"--log.out_dir={used}"])
+
+
+@pytest.mark.slow
+def test_a_bad_flag_on_the_command_line_prints_three_lines_at_most():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "run.py"), "--optim.lr=-0.001"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == "error: --optim.lr=-0.001: must be > 0"
+
+
+def test_help_shows_the_values_this_run_uses(capsys):
+    """The recipe is chosen before --help prints: its defaults are the run's, recipe included."""
+    for argv, recipe, lr in ((["--help"], "strops", "0.0001"),
+                             (["--algo=grpo", "--data.task=quiz", "-h"], "quiz", "6e-05"),
+                             (["--recipe=pretrained", "--help"], "pretrained", "1e-06")):
+        with pytest.raises(SystemExit) as stop:
+            run.parse_config(argv)
+        assert stop.value.code == 0
+        text = capsys.readouterr().out
+        assert f"recipe {recipe} (" in text
+        help_lr = re.search(r"--optim\.lr FLOAT.*?\(default: ([^)]+)\)", text, re.S).group(1)
+        assert help_lr == lr == str(run.parse_config([a for a in argv if a not in ("-h", "--help")]).optim.lr)
+
+
+METRIC_NAMESPACES = ("reward", "response", "actor", "is", "rollout", "sdpo", "dpo", "gad", "sync", "time", "throughput",
+                     "async", "warm_start", "eval", "ttt", "best_of_k", "reference")
+
+
+def undocumented_metrics(keys) -> list:
+    """The keys (a `*` stands for a variable part) without a row in docs/metrics.md."""
+    import fnmatch
+    with open(os.path.join(ROOT, "docs", "metrics.md")) as f:
+        rows = [line.split("|")[1] for line in f if line.startswith("| `")]
+    documented = [k for cell in rows for k in re.findall(r"`([^`]+)`", cell)]
+    return sorted(k for k in set(keys) if k != "step" and not any(
+        fnmatch.fnmatchcase(k, d) or fnmatch.fnmatchcase(d, k) for d in documented))
+
+
+def test_every_metric_the_code_names_is_documented():
+    """Each key a module logs (a string literal in a metric namespace; an f-string's fields as `*`)
+    has its row in docs/metrics.md; the end-to-end runs check what they logged the same way."""
+    names = "|".join(METRIC_NAMESPACES)
+    keys = set()
+    for name in os.listdir(ROOT):
+        if name.endswith(".py"):
+            with open(os.path.join(ROOT, name)) as f:
+                source = f.read()
+            keys |= set(re.findall(rf'(?<!\w)"((?:{names})/[\w@.]+)"', source))
+            keys |= {re.sub(r"\{[^}]*\}", "*", k) for k in re.findall(rf'f"((?:{names})/[\w@.{{}} +*]+)"', source)}
+    assert len(keys) > 80  # the scan finds them
+    assert undocumented_metrics(keys) == []
 
 
 def test_algo_flag_and_nested_flags():
@@ -64,7 +183,7 @@ def test_algo_flag_and_nested_flags():
                             "--data.strops_max_ops=3", "--train.micro_batch", "4", "--eval_only=True"])
     assert (cfg.algo.name, cfg.algo.lam, cfg.sdpo.add_tail) == ("hybrid", 0.25, False)
     assert (cfg.data.strops_max_ops, cfg.train.micro_batch, cfg.eval_only) == (3, 4, True)
-    with pytest.raises(SystemExit):
+    with pytest.raises(data.FlagError, match="invalid choice 'ppo' for argument '--algo'"):
         run.parse_config(["--algo=ppo"])
 
 
@@ -132,7 +251,7 @@ def _rollouts(tokenizer, algo, n_prompts=3, n=4, seed=0, no_success=False):
         fb = [] if no_success else ["Wrong Answer: input abc expected cba"] * len(out)
         tb = sdpo.build_teacher_batch(tokenizer, [r.row for r in out], [r.response_ids for r in out],
                                       [tokenizer.decode(r.response_ids) for r in out], [r.reward for r in out],
-                                      fb or [""] * len(out), sdpo.SdpoConfig())
+                                      fb or [""] * len(out), sdpo.SdpoConfig(include_environment_feedback=True))
         for r, ids, m in zip(out, tb.input_ids, tb.mask):
             r.teacher_ids, r.sdpo_mask = ids, float(m)
     return out
@@ -485,6 +604,15 @@ def test_raising_reward_function_fails_the_rollout_not_the_run(tokenizer, tmp_pa
     assert rollouts[1].feedback == ""
 
 
+def test_a_step_whose_every_reward_raised_stops_the_run_naming_the_reward_and_a_row(tokenizer, tmp_path):
+    (tmp_path / "broken.py").write_text("def reward(response, row, truncated):\n    return row['difficulty']\n")
+    cfg = run.parse_config([f"--data.reward={tmp_path / 'broken.py'}:reward", "--rollout.n=2"])
+    rows = data.task_rows("strops", "train", 2)
+    with pytest.raises(data.UserError, match=r"step 4: all 4 rewards raised.*broken.py:reward.*"
+                                             r"strops, train.*KeyError: 'difficulty'"):
+        run.prepare_rollouts(CannedEngine(tokenizer, ["a", "b"]), tokenizer, rows, cfg, OBJECTIVES["sdpo"], 3)
+
+
 def test_code_reward_refuses_a_weak_sandbox_unless_accepted(tmp_path, monkeypatch, capsys):
     from feedback.code import sandbox
     monkeypatch.setattr(sandbox, "_isolation", sandbox.Isolation(None, False, ("no bubblewrap here (test)",)))
@@ -604,14 +732,14 @@ def test_data_file_split_is_announced_and_an_empty_split_is_an_error(tmp_path, c
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
                             for i in range(40)))
-    cfg = run.parse_config([f"--data.task={path}", "--data.heldout_percent=20"])
+    cfg = run.parse_config([f"--data.task={path}", "--data.reward=math", "--data.heldout_percent=20"])
     train_rows, held_out = run.load_data(cfg, announce=True)
     assert len(train_rows) + len(held_out) == 40 and held_out
     assert not {r["uid"] for r in train_rows} & {r["uid"] for r in held_out}
     message = capsys.readouterr().err
     assert f"{len(train_rows)} train, {len(held_out)} held out" in message and "--data.eval_path" in message
     with pytest.raises(data.DataError, match="split into 40 train and 0 held out"):
-        run.load_data(run.parse_config([f"--data.task={path}", "--data.heldout_percent=0"]))
+        run.load_data(run.parse_config([f"--data.task={path}", "--data.reward=math", "--data.heldout_percent=0"]))
 
 
 def test_lr_factor_warms_up_then_stays_or_decays_to_zero():
@@ -733,12 +861,12 @@ def _metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
-def _run(args, nproc=1, timeout=420):
+def _run(args, nproc=1, timeout=420, cwd=ROOT):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, os.path.join(ROOT, "run.py")] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
          os.path.join(ROOT, "run.py")]
-    proc = subprocess.run(cmd + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
