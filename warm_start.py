@@ -30,7 +30,7 @@ from rollout import generate_and_score, rank0_call, start_engine
 # part of its cache key, so that an edit to a generator, a checker, a template, the SFT loss or
 # the loop builds it anew (data.source_hash; comments and docstrings aside).
 WARM_START_SOURCES = ("run.py", "warm_start.py", "config.py", "policy.py", "update.py", "objectives.py", "losses.py",
-                      "sdpo.py", "evaluate.py", *data.TINY_SOURCES, "feedback/math.py")  # the tasks' checkers
+                      "chunked_head.py", "sdpo.py", "evaluate.py", *data.TINY_SOURCES, "feedback/math.py")  # the tasks' checkers
 
 
 def tiny_model_dir(cfg: Config) -> str:
