@@ -377,7 +377,7 @@ def cli(argv=None) -> int:
     path, a checkpoint, a reward's setup; a code sandbox that cannot isolate) prints its message
     alone, once, and the exit status is non-zero (2 for a flag); --debug or SDPO_DEBUG=1 show the
     traceback. Any other exception is a bug and keeps its traceback."""
-    from feedback.sandbox import SandboxUnavailable
+    from feedback.code.sandbox import SandboxUnavailable
     try:
         main(argv)
     except (data.UserError, SandboxUnavailable) as e:
