@@ -9,6 +9,7 @@ and an engine process killed under two-rank torchrun stops both ranks with an En
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -142,7 +143,7 @@ def test_out_dir_that_cannot_be_written_is_named(tmp_path):
             run.check_out_dir(run.parse_config([f"--log.out_dir={locked}"]), resuming=False)
 
 
-def test_out_dir_without_room_for_the_run_is_named(tiny_dir, tmp_path, monkeypatch):
+def test_out_dir_without_room_for_the_run_is_named(tiny_dir, tmp_path, monkeypatch, capsys):
     import collections
     import shutil
     objective = objectives.OBJECTIVES["sdpo"]
@@ -155,7 +156,14 @@ def test_out_dir_without_room_for_the_run_is_named(tiny_dir, tmp_path, monkeypat
     with pytest.raises(OSError, match=f"--log.out_dir {tmp_path} has .* GiB free; the run writes at least"):
         run.check_out_dir(cfg, False, tiny_dir, objective)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 5 * model))
+    capsys.readouterr()
     run.check_out_dir(cfg, False, tiny_dir, objective)  # enough to start; 4 checkpoints will not fit: a warning
+    assert re.search(f"warning: --log.out_dir {tmp_path} has .* GiB free; the run's 4 checkpoints and final model "
+                     "take .* GiB", capsys.readouterr().err)
+    # all 4 checkpoints and the final model: 1 + 4 * 4 copies fit, no warning
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 17 * model))
+    run.check_out_dir(cfg, False, tiny_dir, objective)
+    assert "warning" not in capsys.readouterr().err
     run.check_out_dir(run.parse_config([f"--log.out_dir={tmp_path}"]), False, tiny_dir, objective)
 
 
