@@ -507,13 +507,23 @@ def test_prepare_rollouts_scores_advantages_and_teacher_contexts(tokenizer):
     engine = CannedEngine(tokenizer, ["Program: nonsense", rows[0]["reference"], "Program: reverse"])
     rollouts, metrics = run.prepare_rollouts(engine, tokenizer, rows, cfg, OBJECTIVES["hybrid"], 0)
     assert len(rollouts) == 6
-    assert rollouts[1].reward == 1.0 and rollouts[0].reward == 0.0
+    # row 0: only its reference passes; row 1: nothing does (row 0's reference is a wrong program there)
+    assert [r.reward for r in rollouts] == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     assert rollouts[0].feedback  # strops feedback names a failing case
-    group0 = [r.advantage for r in rollouts[:3]]
-    assert abs(sum(group0)) < 1e-6 and group0[1] > 0
-    assert rollouts[0].sdpo_mask == 1.0 and rollouts[1].sdpo_mask in (0.0, 1.0)
-    assert rollouts[0].teacher_ids[-len(rollouts[0].response_ids):] == rollouts[0].response_ids
-    assert 0 < metrics["sdpo/teacher_coverage"] <= 1
+    # Dr. GRPO: reward minus the group's mean, not divided by its std
+    assert [r.advantage for r in rollouts] == pytest.approx([-1 / 3, 2 / 3, -1 / 3, 0, 0, 0], abs=1e-6)
+    # row 0's failures are shown its success; the success has no other to see (not itself); row 1's
+    # samples are shown their own feedback
+    assert [r.sdpo_mask for r in rollouts] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [r.teacher_context for r in rollouts] == ["demonstration", "", "demonstration"] + ["feedback"] * 3
+    for r in rollouts:
+        assert r.teacher_ids[-len(r.response_ids):] == r.response_ids
+    teacher_prompt = lambda r: tokenizer.decode(r.teacher_ids[:-len(r.response_ids)])
+    assert rows[0]["reference"] in teacher_prompt(rollouts[0]) and rollouts[0].feedback not in teacher_prompt(rollouts[0])
+    assert rows[0]["reference"] not in teacher_prompt(rollouts[1])
+    assert rollouts[4].feedback.strip() in teacher_prompt(rollouts[4])
+    assert metrics["sdpo/teacher_coverage"] == pytest.approx(5 / 6)
+    assert metrics["sdpo/feedback_used"] == pytest.approx(3 / 6)
     assert metrics["reward/success_rate"] == pytest.approx(sum(r.reward >= 0.5 for r in rollouts) / 6)
 
 
