@@ -46,7 +46,7 @@ class SteppingRecorder:
         self.model.zero_grad(set_to_none=set_to_none)
 
 
-def loop_update(flags, rollouts, teacher_kind=None):
+def loop_update(flags, rollouts, teacher_kind=None, teacher_seed=None):
     """run.update_policy on the rollouts from the fixed start; returns (recorder, metrics, the
     start's HF model, the teacher copy's HF model or None)."""
     tiny = data.tiny_model_dir()
@@ -59,7 +59,7 @@ def loop_update(flags, rollouts, teacher_kind=None):
     teacher = None
     if "teacher" in objective.models:
         kind = teacher_kind or cfg.sdpo.teacher
-        teacher = Teacher(kind, cfg.sdpo.teacher_rate, _policy(tiny) if kind != "live" else None)
+        teacher = Teacher(kind, cfg.sdpo.teacher_rate, _policy(tiny, seed=teacher_seed) if kind != "live" else None)
     recorder = SteppingRecorder(policy)
 
     def spied_loss(mb, models, cfg):  # which rollouts each optimizer step used
@@ -271,3 +271,27 @@ def test_two_optimizer_steps_match_the_formulas_on_plain_forwards(case, name, fl
             assert stats["clipped_high"] > 0 and stats["clipped_low"] > 0, stats
         clipped = (stats["clipped_high"] + stats["clipped_low"]) / stats["pg_tokens"]
         assert metrics["actor/pg_clipfrac"] == pytest.approx(clipped)
+
+
+def test_the_live_teacher_is_an_ema_teacher_holding_the_current_weights():
+    """An update's first optimizer step: the live teacher gives the loss, gradient and
+    metrics of an EMA teacher whose copy holds the policy's weights. Its second, after the
+    policy moved: the live teacher moved with it, the EMA copy (which moves after the update) did not."""
+    tiny = data.tiny_model_dir()
+    tokenizer = run.load_tokenizer(tiny)
+    for mini_batches in (1, 2):
+        flags = FLAGS + ["--algo=sdpo", f"--train.mini_batches={mini_batches}"]
+        cfg = run.parse_config(flags)
+        rollouts = fixed_rollouts("sdpo", _policy(tiny, seed=3).hf, tokenizer, cfg)
+        live, live_metrics, _, _ = loop_update(flags, copy.deepcopy(rollouts), teacher_kind="live")
+        ema, ema_metrics, _, _ = loop_update(flags, copy.deepcopy(rollouts), teacher_kind="ema", teacher_seed=3)
+        assert len(live.grads) == len(ema.grads) == mini_batches
+        for name in ema.grads[0]:
+            torch.testing.assert_close(live.grads[0][name], ema.grads[0][name], rtol=1e-4, atol=1e-7, msg=name)
+        if mini_batches == 1:
+            assert live_metrics["actor/loss"] != 0
+            for key in (k for k in ema_metrics if not k.startswith("time/")):
+                assert live_metrics[key] == pytest.approx(ema_metrics[key], rel=1e-4, abs=1e-7), key
+        else:
+            difference = sum(float((live.grads[1][n] - ema.grads[1][n]).norm()) for n in ema.grads[1])
+            assert difference > 1e-3 * sum(float(g.norm()) for g in ema.grads[1].values())
