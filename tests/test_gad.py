@@ -335,3 +335,16 @@ def test_the_self_made_teacher_trains_past_the_students_early_stop():
     teacher = warm_start.gad_teacher_config(cfg).train
     assert (teacher.warm_start_steps, teacher.warm_start_target, teacher.warm_start_context_steps) == (700, 0.0, 0)
     assert teacher.warm_start_demo_frac == teacher.warm_start_feedback_frac == 0.0
+
+
+@pytest.mark.parametrize("flag, got", [
+    ("--gad.lr=0", "lr > 0 (got 0.0)"), ("--gad.grad_clip=-1", "grad_clip > 0 (got -1.0)"),
+    ("--gad.disc_steps=0", "disc_steps >= 1 (got 0)"),
+    ("--gad.warmup_steps=-1", "critic_warmup >= 0 (got -1, 0)"),
+    ("--gad.critic_warmup=-2", "critic_warmup >= 0 (got 0, -2)"),
+])
+def test_gad_flags_out_of_range_are_refused_naming_them(flag, got, capsys):
+    from test_dpo import _refused
+    text = _refused(["--algo=gad", flag], capsys)
+    assert "--gad: need" in text and got in text
+    run.parse_config(["--algo=gad", "--gad.disc_steps=1", "--gad.warmup_steps=0", "--gad.critic_warmup=0"])
