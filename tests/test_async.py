@@ -47,6 +47,63 @@ def test_cpu_split_gives_each_side_every_core_in_turn_and_halves_them_side_by_si
     assert split(ahead)[1:] == (torch.get_num_threads(),) * 2
 
 
+def test_share_cores_switches_the_trainers_threads_while_the_engine_generates_beside_it(monkeypatch):
+    """--train.off_policy_steps 1 on CPU: before each forward of the trainer's models, cpu_split's
+    `beside` threads while the engine generates ahead, `alone` once it has finished."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    for name in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+    class Engine:
+        generating = True
+
+        def generating_ahead(self):
+            return self.generating
+    engine, policy, copy = Engine(), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    threads = torch.get_num_threads()
+    try:
+        rollout.share_cores(run.parse_config(["--train.off_policy_steps=1"]), engine,
+                            Models(policy, Teacher("ema", 0.1, copy)))
+        for model in (policy, copy):
+            torch.set_num_threads(1)
+            engine.generating = True
+            model(torch.ones(2))
+            assert torch.get_num_threads() == 2  # beside the engine: the other half of the 4 cores
+            engine.generating = False
+            model(torch.ones(2))
+            assert torch.get_num_threads() == 4  # alone: every core
+        # the synchronous loop, or a thread count the user set: no switch
+        other = torch.nn.Linear(2, 2)
+        rollout.share_cores(run.parse_config([]), engine, Models(other))
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        rollout.share_cores(run.parse_config(["--train.off_policy_steps=1"]), engine, Models(other))
+        torch.set_num_threads(3)
+        other(torch.ones(2))
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_kv_cache_is_sized_from_the_runs_batches_and_capped_on_cpu(tiny_dir, tokenizer, monkeypatch):
+    import json as json_module
+    with open(os.path.join(tiny_dir, "config.json")) as f:
+        config = json_module.load(f)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4  # K and V, float32
+    assert rollout.kv_bytes_per_token(tiny_dir, "float32") == per_token
+    rows = data.task_rows("strops", "train", 8)
+    longest = max(len(data.chat_prompt_ids(tokenizer, r["messages"])) for r in rows)
+    cfg = run.parse_config(["--train.prompts_per_step=8", "--rollout.n=4", "--rollout.max_tokens=64",
+                            "--data.eval_rows=8", "--rollout.eval_k=2"])
+    need = 32 * (3 * longest + 64)  # 8 x 4 sequences, each a prompt counted 3 times over and a response
+    assert rollout.kv_cache_tokens(cfg, tiny_dir, tokenizer, rows, torch.device("cpu")) == need
+    monkeypatch.setattr(rollout, "CPU_KV_CACHE_BYTES", 1000 * per_token)
+    assert rollout.kv_cache_tokens(cfg, tiny_dir, tokenizer, rows, torch.device("cpu")) == 1000  # the CPU's cap
+    assert rollout.kv_cache_tokens(cfg, tiny_dir, tokenizer, rows, torch.device("cuda")) == need  # no cap on a GPU
+    flag = run.parse_config(["--rollout.kv_cache_tokens=5000"])
+    assert rollout.kv_cache_tokens(flag, tiny_dir, tokenizer, rows, torch.device("cpu")) == 5000  # the flag wins
+
+
 # ----------------------------------------------------------------------------------------
 # one optimizer step on a stale batch
 
