@@ -524,6 +524,12 @@ def test_prepare_rollouts_scores_advantages_and_teacher_contexts(tokenizer):
     assert rollouts[4].feedback.strip() in teacher_prompt(rollouts[4])
     assert metrics["sdpo/teacher_coverage"] == pytest.approx(5 / 6)
     assert metrics["sdpo/feedback_used"] == pytest.approx(3 / 6)
+    # --algo.norm_adv_by_std: divided by the group's unbiased std, sqrt(1/3) for (0, 1, 0)
+    cfg = run.parse_config(["--algo=hybrid", "--rollout.n=3", "--algo.norm_adv_by_std=True"])
+    rollouts, _ = run.prepare_rollouts(engine, tokenizer, rows, cfg, OBJECTIVES["hybrid"], 0)
+    std = (1 / 3) ** 0.5
+    assert [r.advantage for r in rollouts] == pytest.approx([-1 / 3 / std, 2 / 3 / std, -1 / 3 / std, 0, 0, 0],
+                                                            abs=1e-5)
     assert metrics["reward/success_rate"] == pytest.approx(sum(r.reward >= 0.5 for r in rollouts) / 6)
 
 
