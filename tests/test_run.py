@@ -807,6 +807,62 @@ def test_single_process_run_with_checkpoint_and_resume(tmp_path):
     assert second[0]["response/length_mean"] == first[1]["response/length_mean"]
 
 
+def test_test_time_self_distillation_screens_trains_each_hard_prompt_alone_and_counts_discoveries(
+        tokenizer, tmp_path, monkeypatch):
+    """--ttt_prompts, with a scripted engine (the loop's pieces faked, the bookkeeping real):
+    held-out prompts solved in eval_k screening samples are left out; each hard one gets a
+    fresh trainer from the initial weights, best-of-k draws train.steps x n samples, and SDPO
+    steps run until a first success; discovery@k counts the prompts solved within k."""
+    reward = tmp_path / "yes.py"
+    reward.write_text("def reward(response, row, truncated):\n    return float(response.strip() == 'yes')\n")
+    cfg = run.parse_config(["--algo=sdpo", "--ttt_prompts=2", "--train.steps=3", "--rollout.n=2", "--rollout.eval_k=2",
+                            f"--data.reward={reward}:reward"])
+    rows = data.task_rows("strops", "test", 4)
+    script = [  # each generate call: the answers of each of its prompts
+        [["yes", "no"], ["no", "no"], ["no", "yes"], ["no", "no"]],  # screening: rows 1 and 3 are hard
+        [["no", "no", "no", "no", "yes", "no"]],  # row 1, best-of-6: found at 5
+        [["no", "no"]], [["no", "yes"]],  # row 1, SDPO steps: a success in step 2's second sample (4)
+        [["no"] * 6],  # row 3, best-of-6: none
+        [["no", "no"]], [["no", "no"]], [["no", "no"]],  # row 3: none in 3 steps
+    ]
+    asked = []
+
+    class ScriptedEngine:
+        def generate(self, prompts, n, temperature, max_tokens, seed, images=None):
+            answers = script[len(asked)]
+            asked.append((len(prompts), n))
+            assert [len(a) for a in answers] == [n] * len(prompts)
+            return [[Sample(p, tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id], [-1.0] * 3,
+                            t, False) for t in texts] for p, texts in zip(prompts, answers)]
+
+    class Log:
+        records = []
+
+        def log(self, step, metrics):
+            self.records.append((step, metrics))
+    calls = {"build_trainer": 0, "learn": []}
+
+    def build_trainer(*args):
+        import types
+        calls["build_trainer"] += 1
+        return types.SimpleNamespace(models=Models(policy=None))
+    monkeypatch.setattr(run, "build_trainer", build_trainer)
+    monkeypatch.setattr(run, "sync_engine", lambda *args, version: {"sync/probe_max_abs_diff": 0.0, "version": version})
+    monkeypatch.setattr(run, "learn", lambda cfg, objective, trainer, engine, tokenizer, rollouts, step, d:
+                        calls["learn"].append((rollouts[0].row["uid"], step)) or {})
+    logger = Log()
+    summary = run.test_time_self_distillation(cfg, OBJECTIVES["sdpo"], "model", ScriptedEngine(), tokenizer, rows,
+                                              logger, ONE_PROCESS)
+    assert asked == [(4, 2), (1, 6), (1, 2), (1, 2), (1, 6), (1, 2), (1, 2), (1, 2)]
+    assert calls["build_trainer"] == 2  # each hard prompt from the initial weights
+    assert calls["learn"] == [(rows[1]["uid"], 0), (rows[3]["uid"], 0), (rows[3]["uid"], 1), (rows[3]["uid"], 2)]
+    assert [(step, m["ttt/prompt"], m["ttt/discovered_at"], m["best_of_k/discovered_at"])
+            for step, m in logger.records[:-1]] == [(1, 0, 4, 5), (2, 1, -1, -1)]
+    assert logger.records[-1] == (3, summary)
+    assert summary == {"ttt/prompts": 2, "ttt/discovery@2": 0.0, "ttt/discovery@4": 0.5, "ttt/discovery@6": 0.5,
+                       "best_of_k/discovery@2": 0.0, "best_of_k/discovery@4": 0.0, "best_of_k/discovery@6": 0.5}
+
+
 @pytest.mark.slow
 @pytest.mark.extended
 def test_test_time_self_distillation_mode(tmp_path):
