@@ -273,6 +273,8 @@ def _resumes_to_the_uninterrupted_run(stopped, whole):
     """--train.resume of the stopped run's out_dir: every step's metrics but wall-clock
     figures, and the final weights, are the uninterrupted run's (same batches, including the
     one generated ahead before the stop)."""
+    latest = run.checkpoint_path(stopped)
+    assert os.path.basename(latest) in ("checkpoint-1", "checkpoint-2", "checkpoint-3"), latest  # steps left to run
     proc = _start(KILLED_RUN + [f"--log.out_dir={stopped}", f"--train.resume={stopped}"])
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, output[-5000:]
