@@ -63,7 +63,7 @@ def loop_update(flags, rollouts, teacher_kind=None, teacher_seed=None):
     recorder = SteppingRecorder(policy)
 
     def spied_loss(mb, models, cfg):  # which rollouts each optimizer step used
-        recorder.current += [rollouts.index(r) for r in mb.rollouts]
+        recorder.current += [next(i for i, x in enumerate(rollouts) if x is r) for r in mb.rollouts]
         return objective.loss(mb, models, cfg)
     trainer = run.Trainer(Models(policy, teacher), recorder, NoSchedule())
     metrics, _ = run.update_policy(cfg, dataclasses.replace(objective, loss=spied_loss), trainer, rollouts, 0,
