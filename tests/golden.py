@@ -5,7 +5,11 @@
 The numbers were first written by the loop as it was before the objectives were split out
 of run.py (commit 95aa211), and the objectives table gave the same ones; they were rewritten
 by the table when the tiny model's recipe changed (version 2: the strops prompt names its
-ops, so the tokenizer, the model and the batch changed). tests/test_objectives.py checks
+ops, so the tokenizer, the model and the batch changed), and again (version 3, 2026-11-27)
+under a recorder that steps (tests/test_loop.py's SteppingRecorder), on a batch whose engine
+log-probs are the start's plus noise, so that the second mini-batch runs off ratio 1 and
+the clips and IS weights act; tests/test_loop.py checks these steps against an independent
+computation, these pins keep today's numbers. tests/test_objectives.py checks
 that the code of today gives the same ones. A gradient is pinned by, per parameter tensor, its sum,
 its sum of squares and its dot product with a fixed random vector: a change anywhere in a
 tensor moves the last one.
@@ -65,5 +69,5 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_objectives import new_loop_step
     with open(PATH, "w") as f:
-        json.dump(record(new_loop_step), f, indent=1)
+        json.dump(record(lambda flags: new_loop_step(flags, stepping=True)), f, indent=1)
     print(f"wrote {PATH}")

@@ -395,3 +395,24 @@ def test_two_rank_spin_run_refreshes_the_reference_and_syncs(tmp_path):
                     "rollout/mismatch_kl", "time/reference_s", "reward/mean", "response/length_mean"):
             assert key in r, key
     assert "eval/success_rate" in steps[-1]
+
+
+def _refused(flags, capsys) -> str:
+    """The message tyro prints (in its box) when a flag's dataclass refuses its value."""
+    import re
+    with pytest.raises(SystemExit):
+        run.parse_config(flags)
+    return re.sub(r"[│\s]+", " ", capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dpo.beta=0"], "--dpo: need beta > 0 (got 0.0)"),
+    (["--dpo.label_smoothing=0.5"], "0 <= label_smoothing < 0.5 (got 0.5)"),
+    (["--dpo.ref_update_every=-1"], "ref_update_every >= 0 (got -1)"),
+    (["--dpo.reference_free=True", "--dpo.ref_update_every=2"],
+     "--dpo.reference_free has no reference to refresh: drop --dpo.ref_update_every"),
+])
+def test_dpo_flags_out_of_range_are_refused_naming_them(flags, message, capsys):
+    assert message in _refused(["--algo=dpo"] + flags, capsys)
+    run.parse_config(["--algo=dpo", "--dpo.beta=0.5", "--dpo.label_smoothing=0.49", "--dpo.ref_update_every=0",
+                      "--dpo.reference_free=True"])  # the edges that are allowed

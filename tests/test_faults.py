@@ -9,6 +9,7 @@ and an engine process killed under two-rank torchrun stops both ranks with an En
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -143,7 +144,7 @@ def test_out_dir_that_cannot_be_written_is_named(tmp_path):
             run.check_out_dir(run.parse_config([f"--log.out_dir={locked}"]), resuming=False)
 
 
-def test_out_dir_without_room_for_the_run_is_named(tiny_dir, tmp_path, monkeypatch):
+def test_out_dir_without_room_for_the_run_is_named(tiny_dir, tmp_path, monkeypatch, capsys):
     import collections
     import shutil
     objective = objectives.OBJECTIVES["sdpo"]
@@ -156,7 +157,14 @@ def test_out_dir_without_room_for_the_run_is_named(tiny_dir, tmp_path, monkeypat
     with pytest.raises(OSError, match=f"--log.out_dir {tmp_path} has .* GiB free; the run writes at least"):
         run.check_out_dir(cfg, False, tiny_dir, objective)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 5 * model))
+    capsys.readouterr()
     run.check_out_dir(cfg, False, tiny_dir, objective)  # enough to start; 4 checkpoints will not fit: a warning
+    assert re.search(f"warning: --log.out_dir {tmp_path} has .* GiB free; the run's 4 checkpoints and final model "
+                     "take .* GiB", capsys.readouterr().err)
+    # all 4 checkpoints and the final model: 1 + 4 * 4 copies fit, no warning
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 17 * model))
+    run.check_out_dir(cfg, False, tiny_dir, objective)
+    assert "warning" not in capsys.readouterr().err
     run.check_out_dir(run.parse_config([f"--log.out_dir={tmp_path}"]), False, tiny_dir, objective)
 
 
@@ -253,14 +261,42 @@ def _sid(p):
     return None
 
 
-@pytest.mark.slow
-def test_trainer_killed_mid_run_resumes_to_the_metrics_of_an_uninterrupted_run(tmp_path):
-    """SIGKILL of the trainer during step 3 of an asynchronous run (its engine generating
-    ahead), then --train.resume OUT_DIR: from step 3 on, the metrics are those of a run that
-    was never stopped (same batches, including the one generated ahead before the kill)."""
-    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """KILLED_RUN never stopped: what the SIGKILL and the Ctrl-C runs must resume to."""
+    whole = str(tmp_path_factory.mktemp("uninterrupted") / "whole")
     proc = _start(KILLED_RUN + [f"--log.out_dir={whole}"])
     assert proc.wait(timeout=600) == 0, proc.stdout.read()[-5000:]
+    return whole
+
+
+def _resumes_to_the_uninterrupted_run(stopped, whole):
+    """--train.resume of the stopped run's out_dir: every step's metrics but wall-clock
+    figures, and the final weights, are the uninterrupted run's (same batches, including the
+    one generated ahead before the stop)."""
+    latest = run.checkpoint_path(stopped)
+    assert os.path.basename(latest) in ("checkpoint-1", "checkpoint-2", "checkpoint-3"), latest  # steps left to run
+    proc = _start(KILLED_RUN + [f"--log.out_dir={stopped}", f"--train.resume={stopped}"])
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, output[-5000:]
+    want, got = _metrics(whole), _metrics(stopped)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3, 4]
+    wall_clock = ("time/", "throughput/", "sync/seconds")
+    for w, g in zip(want, got):
+        compared = {k: v for k, v in w.items() if not k.startswith(wall_clock)}
+        assert {k: g.get(k) for k in compared} == compared, w["step"]
+    assert [r["async/staleness"] for r in got[1:]] == [0, 1, 1, 1]
+    assert any(r["actor/grad_norm"] > 0 for r in got[1:])
+    resumed = _final_weights(stopped)
+    for name, tensor in _final_weights(whole).items():
+        assert torch.equal(tensor, resumed[name]), name
+
+
+@pytest.mark.slow
+def test_trainer_killed_mid_run_resumes_to_the_metrics_of_an_uninterrupted_run(uninterrupted, tmp_path):
+    """SIGKILL of the trainer during step 3 of an asynchronous run (its engine generating
+    ahead), then --train.resume OUT_DIR: the metrics and weights of a run never stopped."""
+    killed = str(tmp_path / "killed")
     proc = _start(KILLED_RUN + [f"--log.out_dir={killed}"])
     _wait_for(lambda: os.path.isdir(os.path.join(killed, "checkpoint-2")), proc, "checkpoint-2")
     trainer = psutil.Process(proc.pid)
@@ -271,20 +307,7 @@ def test_trainer_killed_mid_run_resumes_to_the_metrics_of_an_uninterrupted_run(t
     while _session_processes(proc) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _session_processes(proc), "the killed trainer's engine processes outlived it"
-
-    proc = _start(KILLED_RUN + [f"--log.out_dir={killed}", f"--train.resume={killed}"])
-    output = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 0, output[-5000:]
-    want, got = _metrics(whole), _metrics(killed)
-    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3, 4]
-    wall_clock = ("time/", "throughput/", "sync/seconds")
-    for w, g in zip(want[3:], got[3:]):
-        compared = {k: v for k, v in w.items() if not k.startswith(wall_clock)}
-        assert {k: g[k] for k in compared} == compared
-        assert g["async/staleness"] == 1
-    resumed = _final_weights(killed)
-    for name, tensor in _final_weights(whole).items():
-        assert torch.equal(tensor, resumed[name]), name
+    _resumes_to_the_uninterrupted_run(killed, uninterrupted)
 
 
 def _final_weights(out):
@@ -330,13 +353,13 @@ def test_engine_killed_mid_step_stops_both_ranks_with_an_engine_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_the_run_and_its_engine(tmp_path):
+def test_ctrl_c_stops_the_run_and_its_engine_and_it_resumes_to_the_uninterrupted_run(uninterrupted, tmp_path):
     """SIGINT to the run's process group (what Ctrl-C in a terminal sends) while the engine
     generates ahead: the run stops with KeyboardInterrupt, leaves no process behind, and the
-    checkpoints it finished are complete (one it was writing stays a .partial directory)."""
+    checkpoints it finished are complete (one it was writing stays a .partial directory);
+    --train.resume then gives the metrics and weights of the run never stopped."""
     out = str(tmp_path / "run")
-    proc = _start(SMALL + ["--algo=sdpo", "--train.steps=8", "--train.save_every=1", "--train.eval_every=0",
-                           "--train.off_policy_steps=1", f"--log.out_dir={out}"])
+    proc = _start(KILLED_RUN + [f"--log.out_dir={out}"])
     _wait_for(lambda: os.path.isdir(os.path.join(out, "checkpoint-1")), proc, "checkpoint-1")
     os.killpg(proc.pid, signal.SIGINT)
     try:
@@ -351,6 +374,8 @@ def test_ctrl_c_stops_the_run_and_its_engine(tmp_path):
         time.sleep(0.5)
     assert not _session_processes(proc)
     assert os.path.exists(os.path.join(run.checkpoint_path(out), ".metadata"))
+    assert not os.path.exists(os.path.join(out, "final"))
+    _resumes_to_the_uninterrupted_run(out, uninterrupted)
 
 
 def test_after_ctrl_c_the_run_stops_with_keyboard_interrupt_whatever_else_failed():

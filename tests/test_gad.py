@@ -3,6 +3,7 @@ the discriminator before its update, the stages, the KL term, checkpoints, bad d
 import copy
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -336,3 +337,65 @@ def test_the_self_made_teacher_trains_past_the_students_early_stop():
     teacher = warm_start.gad_teacher_config(cfg).train
     assert (teacher.warm_start_steps, teacher.warm_start_target, teacher.warm_start_context_steps) == (700, 0.0, 0)
     assert teacher.warm_start_demo_frac == teacher.warm_start_feedback_frac == 0.0
+
+
+@pytest.mark.parametrize("flag, got", [
+    ("--gad.lr=0", "lr > 0 (got 0.0)"), ("--gad.grad_clip=-1", "grad_clip > 0 (got -1.0)"),
+    ("--gad.disc_steps=0", "disc_steps >= 1 (got 0)"),
+    ("--gad.warmup_steps=-1", "critic_warmup >= 0 (got -1, 0)"),
+    ("--gad.critic_warmup=-2", "critic_warmup >= 0 (got 0, -2)"),
+])
+def test_gad_flags_out_of_range_are_refused_naming_them(flag, got, capsys):
+    from test_dpo import _refused
+    text = _refused(["--algo=gad", flag], capsys)
+    assert "--gad: need" in text and got in text
+    run.parse_config(["--algo=gad", "--gad.disc_steps=1", "--gad.warmup_steps=0", "--gad.critic_warmup=0"])
+
+
+def test_the_self_made_teacher_writes_its_finished_answers_as_the_runs_data(tiny_dir, tokenizer, tmp_path,
+                                                                            monkeypatch, capsys):
+    """On a synthetic task GAD's black-box teacher is made here (warm_start.teacher_data): it answers
+    each training prompt once at --gad.teacher_temperature; its finished, non-empty answers become
+    train.jsonl's teacher_response, the held-out rows heldout.jsonl, and the run reads those files."""
+    import warm_start
+    from rollout import Sample
+    calls = []
+
+    class TeacherEngine:  # answers prompt i: cut off, empty, or the row's reference, in turn
+        def generate(self, prompts, n, temperature, max_tokens, seed, images=None):
+            calls.append((len(prompts), n, temperature))
+            out = []
+            for i, p in enumerate(prompts):
+                text = ["Program: rev", "", references[i]][i % 3]
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"] + ([] if i % 3 == 0 else [tokenizer.eos_token_id])
+                out.append([Sample(p, ids, [-1.0] * len(ids), text, i % 3 == 0) for _ in range(n)])
+            return out
+
+        def close(self):
+            calls.append("closed")
+    cfg = run.parse_config(["--algo=gad", "--data.task=strops", "--data.train_rows=9", "--data.eval_rows=4",
+                            "--gad.teacher_temperature=0.7"])
+    train_rows, eval_rows = data.read_rows(cfg)
+    references = [row["reference"] for row in train_rows]
+    monkeypatch.setattr(warm_start, "start_engine", lambda *args: TeacherEngine())
+    monkeypatch.setattr(warm_start, "load_tokenizer", lambda path: tokenizer)
+    teacher_dir = str(tmp_path / "teacher" / "final")
+    got = warm_start.teacher_data(cfg, warm_start.gad_teacher_config(cfg), teacher_dir, ONE_PROCESS)
+    assert calls == [(len(train_rows), 1, 0.7), "closed"]
+    assert os.path.dirname(got.data.task) == os.path.dirname(got.data.eval_path)
+    assert os.path.dirname(got.data.task).startswith(str(tmp_path / "teacher") + "-data-")
+    with open(got.data.task) as f:
+        written = [json.loads(line) for line in f]
+    assert [w["uid"] for w in written] == [row["uid"] for row in train_rows[2::3]]  # the finished, non-empty ones
+    assert [w["teacher_response"] for w in written] == references[2::3]
+    assert all(w["prompt"] == row["messages"] and w["tests"] == row["tests"] for w, row in zip(written, train_rows[2::3]))
+    with open(got.data.eval_path) as f:
+        assert [json.loads(line)["uid"] for line in f] == [row["uid"] for row in eval_rows]
+    assert f"teacher data: {len(written)} of {len(train_rows)} answers finished and not empty, success 1.000" \
+        in capsys.readouterr().out
+    rows, held_out = run.load_data(got)  # the run reads the teacher's text
+    assert [row["teacher_response"] for row in rows] == references[2::3]
+    assert len(held_out) == len(eval_rows) and got.data.reward == "strops"
+    # cached: a second run with the same recipe asks no engine
+    assert warm_start.teacher_data(cfg, warm_start.gad_teacher_config(cfg), teacher_dir, ONE_PROCESS) == got
+    assert len(calls) == 2

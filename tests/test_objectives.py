@@ -11,12 +11,15 @@ import run
 from golden import CASES, COMMON, PATH, fingerprint
 from objectives import OBJECTIVES, Models
 from teacher import Teacher
+from test_loop import SteppingRecorder, fixed_rollouts
 from test_run import CPU, GradRecorder, NoSchedule, ONE_PROCESS, _policy, _rollouts
 from update import micro_batch_units, mini_batch_units, pack_units
 
 
-def new_loop_step(flags, rollouts=None):
-    """The same fixed batch as golden.old_loop_step (or rollouts), through the objectives table."""
+def new_loop_step(flags, rollouts=None, stepping=False):
+    """The fixed batch (or rollouts) through the objectives table. stepping: the recorder
+    steps (tests/test_loop.py), so later mini-batches run off ratio 1, on test_loop's batch
+    whose engine log-probs are the start's plus noise (the golden cases)."""
     tiny = data.tiny_model_dir()
     tokenizer = run.load_tokenizer(tiny)
     cfg = run.parse_config(flags)
@@ -24,8 +27,10 @@ def new_loop_step(flags, rollouts=None):
     torch.manual_seed(0)
     policy = _policy(tiny, seed=3)
     teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate, _policy(tiny)) if "teacher" in objective.models else None
-    recorder = GradRecorder(policy)
-    if objective.references:
+    recorder = SteppingRecorder(policy) if stepping else GradRecorder(policy)
+    if stepping and rollouts is None:
+        rollouts = fixed_rollouts(cfg.algo.name, policy.hf, tokenizer, cfg)
+    elif objective.references:
         rollouts = run.sft_rollouts(tokenizer, data.task_rows("strops", "train", 6, seed=1), cfg, 0)
     elif rollouts is None:
         rollouts = _rollouts(tokenizer, cfg.algo.name)
@@ -40,7 +45,7 @@ with open(PATH) as f:
 
 @pytest.mark.parametrize("name,flags", CASES, ids=[c[0] for c in CASES])
 def test_objective_gives_the_pinned_gradients_and_metrics(name, flags):
-    grads, metrics = new_loop_step(COMMON + flags)
+    grads, metrics = new_loop_step(COMMON + flags, stepping=True)
     pinned = GOLDEN[name]
     assert len(grads) == len(pinned["grads"])
     for got, want in zip(grads, pinned["grads"]):

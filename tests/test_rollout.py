@@ -245,7 +245,9 @@ class TestInProcess:
         return engine.generate(prompts, n=8, temperature=1.0, max_tokens=MAX_TOKENS, seed=0)
 
     def test_engine_is_in_process(self, engine):
-        assert engine.own_process is False
+        """vLLM's engine core runs in this process (its in-process client), with no processes to watch."""
+        assert engine.own_process is False and engine.processes == {}
+        assert type(engine.llm.llm_engine.engine_core).__name__ == "InprocClient"
         assert engine.expected_keys >= {"lm_head.weight", "model.embed_tokens.weight"}
 
     def test_generate_shapes(self, batch, prompts, tokenizer):

@@ -635,13 +635,29 @@ def test_prepare_rollouts_scores_advantages_and_teacher_contexts(tokenizer):
     engine = CannedEngine(tokenizer, ["Program: nonsense", rows[0]["reference"], "Program: reverse"])
     rollouts, metrics = run.prepare_rollouts(engine, tokenizer, rows, cfg, OBJECTIVES["hybrid"], 0)
     assert len(rollouts) == 6
-    assert rollouts[1].reward == 1.0 and rollouts[0].reward == 0.0
+    # row 0: only its reference passes; row 1: nothing does (row 0's reference is a wrong program there)
+    assert [r.reward for r in rollouts] == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     assert rollouts[0].feedback  # strops feedback names a failing case
-    group0 = [r.advantage for r in rollouts[:3]]
-    assert abs(sum(group0)) < 1e-6 and group0[1] > 0
-    assert rollouts[0].sdpo_mask == 1.0 and rollouts[1].sdpo_mask in (0.0, 1.0)
-    assert rollouts[0].teacher_ids[-len(rollouts[0].response_ids):] == rollouts[0].response_ids
-    assert 0 < metrics["sdpo/teacher_coverage"] <= 1
+    # Dr. GRPO: reward minus the group's mean, not divided by its std
+    assert [r.advantage for r in rollouts] == pytest.approx([-1 / 3, 2 / 3, -1 / 3, 0, 0, 0], abs=1e-6)
+    # row 0's failures are shown its success; the success has no other to see (not itself); row 1's
+    # samples are shown their own feedback
+    assert [r.sdpo_mask for r in rollouts] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [r.teacher_context for r in rollouts] == ["demonstration", "", "demonstration"] + ["feedback"] * 3
+    for r in rollouts:
+        assert r.teacher_ids[-len(r.response_ids):] == r.response_ids
+    teacher_prompt = lambda r: tokenizer.decode(r.teacher_ids[:-len(r.response_ids)])
+    assert rows[0]["reference"] in teacher_prompt(rollouts[0]) and rollouts[0].feedback not in teacher_prompt(rollouts[0])
+    assert rows[0]["reference"] not in teacher_prompt(rollouts[1])
+    assert rollouts[4].feedback.strip() in teacher_prompt(rollouts[4])
+    assert metrics["sdpo/teacher_coverage"] == pytest.approx(5 / 6)
+    assert metrics["sdpo/feedback_used"] == pytest.approx(3 / 6)
+    # --algo.norm_adv_by_std: divided by the group's unbiased std, sqrt(1/3) for (0, 1, 0)
+    cfg = run.parse_config(["--algo=hybrid", "--rollout.n=3", "--algo.norm_adv_by_std=True"])
+    rollouts, _ = run.prepare_rollouts(engine, tokenizer, rows, cfg, OBJECTIVES["hybrid"], 0)
+    std = (1 / 3) ** 0.5
+    assert [r.advantage for r in rollouts] == pytest.approx([-1 / 3 / std, 2 / 3 / std, -1 / 3 / std, 0, 0, 0],
+                                                            abs=1e-5)
     assert metrics["reward/success_rate"] == pytest.approx(sum(r.reward >= 0.5 for r in rollouts) / 6)
 
 
@@ -899,7 +915,7 @@ def test_two_rank_torchrun_trains_and_syncs(algo, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # resume equality, stronger: test_faults' kill -9 and resume
+@pytest.mark.extended  # resume equality of a synchronous run; test_faults' kill -9 and Ctrl-C resume async ones
 def test_single_process_run_with_checkpoint_and_resume(tmp_path):
     """In-process engine; trust-region teacher and two mini-batches (old log-probs pass);
     a checkpoint after step 1 resumes to the same step-2 batch."""
@@ -914,9 +930,72 @@ def test_single_process_run_with_checkpoint_and_resume(tmp_path):
     _run(args + [f"--log.out_dir={resumed}", f"--train.resume={os.path.join(out, 'checkpoint-1')}"])
     second = _metrics(resumed)
     assert [r["step"] for r in second] == [2]
-    # same weights, same prompts, same sampling seed: the same rollouts
-    assert second[0]["reward/mean"] == first[1]["reward/mean"]
-    assert second[0]["response/length_mean"] == first[1]["response/length_mean"]
+    # same weights, optimizer state and teacher, same prompts and sampling seed: the same step 2,
+    # every figure but the wall-clock ones, and the same final weights
+    wall_clock = ("time/", "throughput/", "sync/seconds")
+    compared = {k: v for k, v in first[1].items() if not k.startswith(wall_clock)}
+    assert {k: second[0].get(k) for k in compared} == compared
+    assert second[0]["actor/grad_norm"] > 0
+    from safetensors.torch import load_file
+    whole, resumed_weights = (load_file(os.path.join(d, "final", "model.safetensors")) for d in (out, resumed))
+    for name, tensor in whole.items():
+        assert torch.equal(tensor, resumed_weights[name]), name
+
+
+def test_test_time_self_distillation_screens_trains_each_hard_prompt_alone_and_counts_discoveries(
+        tokenizer, tmp_path, monkeypatch):
+    """--ttt_prompts, with a scripted engine (the loop's pieces faked, the bookkeeping real):
+    held-out prompts solved in eval_k screening samples are left out; each hard one gets a
+    fresh trainer from the initial weights, best-of-k draws train.steps x n samples, and SDPO
+    steps run until a first success; discovery@k counts the prompts solved within k."""
+    reward = tmp_path / "yes.py"
+    reward.write_text("def reward(response, row, truncated):\n    return float(response.strip() == 'yes')\n")
+    cfg = run.parse_config(["--algo=sdpo", "--ttt_prompts=2", "--train.steps=3", "--rollout.n=2", "--rollout.eval_k=2",
+                            f"--data.reward={reward}:reward"])
+    rows = data.task_rows("strops", "test", 4)
+    script = [  # each generate call: the answers of each of its prompts
+        [["yes", "no"], ["no", "no"], ["no", "yes"], ["no", "no"]],  # screening: rows 1 and 3 are hard
+        [["no", "no", "no", "no", "yes", "no"]],  # row 1, best-of-6: found at 5
+        [["no", "no"]], [["no", "yes"]],  # row 1, SDPO steps: a success in step 2's second sample (4)
+        [["no"] * 6],  # row 3, best-of-6: none
+        [["no", "no"]], [["no", "no"]], [["no", "no"]],  # row 3: none in 3 steps
+    ]
+    asked = []
+
+    class ScriptedEngine:
+        def generate(self, prompts, n, temperature, max_tokens, seed, images=None):
+            answers = script[len(asked)]
+            asked.append((len(prompts), n))
+            assert [len(a) for a in answers] == [n] * len(prompts)
+            ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            return [[Sample(p, ids(t), [-1.0] * len(ids(t)), t, False) for t in texts] for p, texts in zip(prompts, answers)]
+
+    class Log:
+        records = []
+
+        def log(self, step, metrics):
+            self.records.append((step, metrics))
+    calls = {"build_trainer": 0, "learn": []}
+
+    def build_trainer(*args):
+        import types
+        calls["build_trainer"] += 1
+        return types.SimpleNamespace(models=Models(policy=None))
+    monkeypatch.setattr(run, "build_trainer", build_trainer)
+    monkeypatch.setattr(run, "sync_engine", lambda *args, version: {"sync/probe_max_abs_diff": 0.0, "version": version})
+    monkeypatch.setattr(run, "learn", lambda cfg, objective, trainer, engine, tokenizer, rollouts, step, d:
+                        calls["learn"].append((rollouts[0].row["uid"], step)) or {})
+    logger = Log()
+    summary = run.test_time_self_distillation(cfg, OBJECTIVES["sdpo"], "model", ScriptedEngine(), tokenizer, rows,
+                                              logger, ONE_PROCESS)
+    assert asked == [(4, 2), (1, 6), (1, 2), (1, 2), (1, 6), (1, 2), (1, 2), (1, 2)]
+    assert calls["build_trainer"] == 2  # each hard prompt from the initial weights
+    assert calls["learn"] == [(rows[1]["uid"], 0), (rows[3]["uid"], 0), (rows[3]["uid"], 1), (rows[3]["uid"], 2)]
+    assert [(step, m["ttt/prompt"], m["ttt/discovered_at"], m["best_of_k/discovered_at"])
+            for step, m in logger.records[:-1]] == [(1, 0, 4, 5), (2, 1, -1, -1)]
+    assert logger.records[-1] == (3, summary)
+    assert summary == {"ttt/prompts": 2, "ttt/discovery@2": 0.0, "ttt/discovery@4": 0.5, "ttt/discovery@6": 0.5,
+                       "best_of_k/discovery@2": 0.0, "best_of_k/discovery@4": 0.0, "best_of_k/discovery@6": 0.5}
 
 
 @pytest.mark.slow

@@ -656,10 +656,12 @@ class SeeingEngine:
     def __init__(self, tokenizer, rows):
         self.tokenizer = tokenizer
         self.answers = {row["images"][0].tobytes(): row["answer"] for row in rows}
+        self.seen = []  # the pictures of each call, prompt by prompt
 
     def generate(self, prompts, n, temperature, max_tokens, seed, images=None):
         from rollout import Sample
         out = []
+        self.seen.append(images)
         for p, pictures in zip(prompts, images):
             text = "Answer: " + self.answers.get(pictures[0].tobytes(), "4")
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
@@ -668,21 +670,28 @@ class SeeingEngine:
 
 
 def test_blind_check_scores_the_rows_with_blank_pictures_and_pairs_the_gap(vlm_tokenizer):
-    """--eval_only --blind: the same rows with every picture black and the same size; a model
+    """--eval_only --blind: the same rows with every picture white and the same size; a model
     that reads the picture loses what the picture told it, row by row."""
     from config import parse_config
     from evaluate import blind_check, evaluate
     rows = data.task_rows("shapes", "test", 12)
+    # pictures of different sizes: each blank one must take its own picture's
+    rows = [dict(row, images=[im.resize((im.width + i, im.height + 2 * i)) for im in row["images"]])
+            for i, row in enumerate(rows)]
     cfg = parse_config(["--data.task=shapes", "--rollout.eval_k=2", "--eval_only=True", "--blind=True"])
     engine = SeeingEngine(vlm_tokenizer, rows)
     seen, seeing = evaluate(engine, vlm_tokenizer, rows, cfg)
+    originals = [im for pictures in engine.seen[-1] for im in pictures]
     got = blind_check(engine, vlm_tokenizer, rows, cfg, seeing)
+    blanks = [im for pictures in engine.seen[-1] for im in pictures]
+    assert [im.size for im in blanks] == [im.size for im in originals] == [im.size for row in rows for im in row["images"]]
+    assert len({im.size for im in blanks}) == len(rows)
+    assert all(im.getextrema() == ((255, 255),) * 3 for im in blanks)  # white, every channel
     counted_four = sum(row["answer"] == "4" for row in rows) / len(rows)  # a blind "4" is right there
     assert seen["eval/success_rate"] == 1.0
     assert got["eval/success_rate_blind"] == pytest.approx(counted_four)
     assert got["eval/seeing_minus_blind"] == pytest.approx(1.0 - counted_four)
     assert got["eval/seeing_minus_blind_stderr"] > 0 or counted_four in (0.0, 1.0)
-    assert [im.size for row in rows for im in row["images"]] == [(cfg.data.shapes_image_size,) * 2] * len(rows)
     with pytest.raises(ValueError, match="--blind: the held-out rows have no pictures"):
         blind_check(engine, vlm_tokenizer, data.task_rows("strops", "test", 2), cfg, [1.0, 1.0])
     with pytest.raises(ValueError, match="--blind is a measurement of --eval_only"):

@@ -1,0 +1,10 @@
+"""A reward for end-to-end runs of the untrained tiny model (tests/test_async.py's golden
+run): a response with an odd number of characters passes, so about half of every group
+succeeds and successes, demonstrations and held-out success all appear; a failure gets
+feedback, so feedback contexts appear too. `--data.reward tests/parity_reward.py:parity`."""
+
+
+def parity(response, row, truncated):
+    if len(response) % 2:
+        return {"score": 1.0, "feedback": ""}
+    return {"score": 0.0, "feedback": f"The answer has {len(response)} characters, an even number."}
