@@ -398,11 +398,14 @@ def test_two_rank_spin_run_refreshes_the_reference_and_syncs(tmp_path):
 
 
 def _refused(flags, capsys) -> str:
-    """The message tyro prints (in its box) when a flag's dataclass refuses its value."""
+    """The message of the FlagError (exit status 2 on the command line) raised when a flag's
+    dataclass refuses its value."""
     import re
-    with pytest.raises(SystemExit):
+    import data
+    with pytest.raises(data.FlagError) as refused:
         run.parse_config(flags)
-    return re.sub(r"[│\s]+", " ", capsys.readouterr().err)
+    assert refused.value.exit_code == 2
+    return re.sub(r"[│\s]+", " ", str(refused.value))
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -46,15 +46,19 @@ class SteppingRecorder:
         self.model.zero_grad(set_to_none=set_to_none)
 
 
+def fixed_start(flags):
+    """(tiny model dir, tokenizer, config, objective, policy): the flags' objective and the
+    fixed start every loop-level test updates (the tiny model moved by seed 3's noise)."""
+    tiny = data.tiny_model_dir()
+    cfg = run.parse_config(flags)
+    torch.manual_seed(0)
+    return tiny, run.load_tokenizer(tiny), cfg, OBJECTIVES[cfg.algo.name], _policy(tiny, seed=3)
+
+
 def loop_update(flags, rollouts, teacher_kind=None, teacher_seed=None):
     """run.update_policy on the rollouts from the fixed start; returns (recorder, metrics, the
     start's HF model, the teacher copy's HF model or None)."""
-    tiny = data.tiny_model_dir()
-    tokenizer = run.load_tokenizer(tiny)
-    cfg = run.parse_config(flags)
-    objective = OBJECTIVES[cfg.algo.name]
-    torch.manual_seed(0)
-    policy = _policy(tiny, seed=3)
+    tiny, tokenizer, cfg, objective, policy = fixed_start(flags)
     start = copy.deepcopy(policy.hf)
     teacher = None
     if "teacher" in objective.models:

@@ -11,7 +11,7 @@ import run
 from golden import CASES, COMMON, PATH, fingerprint
 from objectives import OBJECTIVES, Models
 from teacher import Teacher
-from test_loop import SteppingRecorder, fixed_rollouts
+from test_loop import SteppingRecorder, fixed_rollouts, fixed_start
 from test_run import CPU, GradRecorder, NoSchedule, ONE_PROCESS, _policy, _rollouts
 from update import micro_batch_units, mini_batch_units, pack_units
 
@@ -20,12 +20,7 @@ def new_loop_step(flags, rollouts=None, stepping=False):
     """The fixed batch (or rollouts) through the objectives table. stepping: the recorder
     steps (tests/test_loop.py), so later mini-batches run off ratio 1, on test_loop's batch
     whose engine log-probs are the start's plus noise (the golden cases)."""
-    tiny = data.tiny_model_dir()
-    tokenizer = run.load_tokenizer(tiny)
-    cfg = run.parse_config(flags)
-    objective = OBJECTIVES[cfg.algo.name]
-    torch.manual_seed(0)
-    policy = _policy(tiny, seed=3)
+    tiny, tokenizer, cfg, objective, policy = fixed_start(flags)
     teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate, _policy(tiny)) if "teacher" in objective.models else None
     recorder = SteppingRecorder(policy) if stepping else GradRecorder(policy)
     if stepping and rollouts is None:
