@@ -9,9 +9,10 @@ The batch: the first `--prompts` training prompts of bench/real_model.py's seed-
 (data.batch_rows), `--n` samples each at `--temperature` (bench/real_model.py's 0.7) and
 `--max_tokens` (the preset's 256), scored by the math reward; and `--heldout_rows` held-out
 problems, 2 samples each at T=0.6 (the evaluation's), whose correct answers stand for "what the
-model should get more of". Both are sampled once with transformers' `generate` (seeded) and
-saved to <out>/batch.json; later runs reuse it (`--regenerate` samples again). Every model
-below is the untrained model: at the first step the EMA teacher is the policy.
+model should get more of". Both are sampled once by the project's vLLM engine (rollout.py, as
+the loop samples, seeded), with the copy test's greedy answers below, and saved to
+<out>/batch.json; later runs reuse it and start no engine (`--regenerate` samples again).
+Every model below is the untrained model: at the first step the EMA teacher is the policy.
 
 (a) The counterfactual teacher. For each sample with a demonstration (a successful sibling's
 answer, sdpo.py), the teacher prompt is built twice: with the real demonstration, and with the
@@ -66,27 +67,12 @@ PARTS = ("answer", "numbers", "text")  # the response tokens of (a)'s split
 # the fixed batch
 
 
-def generate(hf, tokenizer, prompts: list, temperature: float, max_tokens: int, seed: int, batch: int = 32) -> list:
-    """(response ids ending with the EOS unless truncated, truncated) per prompt id list;
-    temperature 0: greedy."""
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    out = []
-    torch.manual_seed(seed)
-    for start in range(0, len(prompts), batch):
-        part = prompts[start:start + batch]
-        width = max(len(p) for p in part)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in part])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in part])
-        sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else \
-            dict(do_sample=False)
-        with torch.no_grad():
-            seqs = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, eos_token_id=eos,
-                               pad_token_id=pad, **sampling)
-        for row in seqs[:, width:].tolist():
-            end = row.index(eos) + 1 if eos in row else len(row)
-            out.append((row[:end], eos not in row))
-    return out
+def sample(engine, prompts: list, n: int, temperature: float, max_tokens: int, seed: int) -> list:
+    """(response ids, ending with the EOS unless truncated; truncated) for n samples of each
+    prompt, prompt by prompt, from the project's vLLM engine (rollout.Engine, as the loop
+    samples); temperature 0: greedy."""
+    return [(s.response_ids, s.truncated) for group in engine.generate(prompts, n, temperature, max_tokens, seed)
+            for s in group]
 
 
 def scored(tokenizer, rows: list, samples: list) -> list:
@@ -101,28 +87,58 @@ def scored(tokenizer, rows: list, samples: list) -> list:
     return out
 
 
-def fixed_batch(args, hf, tokenizer, train_rows, heldout_rows) -> dict:
+def fixed_batch(args, cfg, model, tokenizer, train_rows, heldout_rows) -> dict:
+    """The saved batch (<out>/batch.json), sampled on first use: the training samples, the
+    held-out samples, and the copy test's greedy answers (their prompts depend on the first)."""
     import data
+    import objectives
+    import rollout
     path = os.path.join(args.out, "batch.json")
     if os.path.exists(path) and not args.regenerate:
         with open(path) as f:
             return json.load(f)
     t0 = time.time()
-    rows = data.batch_rows(train_rows, 0, args.prompts, 0)
-    prompts = [data.chat_prompt_ids(tokenizer, r["messages"]) for r in rows]
-    train = scored(tokenizer, [r for r in rows for _ in range(args.n)],
-                   generate(hf, tokenizer, [p for p in prompts for _ in range(args.n)], args.temperature,
-                            args.max_tokens, seed=0))
-    held = heldout_rows[:args.heldout_rows]
-    held_prompts = [data.chat_prompt_ids(tokenizer, r["messages"]) for r in held]
-    heldout = scored(tokenizer, [r for r in held for _ in range(2)],
-                     generate(hf, tokenizer, [p for p in held_prompts for _ in range(2)], 0.6, args.max_tokens, seed=1))
-    batch = {"settings": {k: getattr(args, k) for k in ("prompts", "n", "temperature", "max_tokens", "heldout_rows")},
-             "seconds": time.time() - t0, "train": train, "heldout": heldout}
+    engine = rollout.start_engine(cfg, model, tokenizer, train_rows, objectives.Dist(0, 1, torch.device("cpu")))
+    try:
+        t1 = time.time()
+        rows = data.batch_rows(train_rows, 0, args.prompts, 0)  # bench/real_model.py's first step, seed 0
+        train = scored(tokenizer, [r for r in rows for _ in range(args.n)],
+                       sample(engine, [data.chat_prompt_ids(tokenizer, r["messages"]) for r in rows], args.n,
+                              args.temperature, args.max_tokens, seed=0))
+        held = heldout_rows[:args.heldout_rows]
+        heldout = scored(tokenizer, [r for r in held for _ in range(2)],
+                         sample(engine, [data.chat_prompt_ids(tokenizer, r["messages"]) for r in held], 2, 0.6,
+                                args.max_tokens, seed=1))
+        batch = {"settings": {k: getattr(args, k) for k in ("prompts", "n", "temperature", "max_tokens",
+                                                            "heldout_rows", "copy_rows", "copy_tokens")},
+                 "train": train, "heldout": heldout}
+        rollouts, _ = batch_rollouts(batch, tokenizer, cfg, {r["uid"]: r for r in train_rows + heldout_rows})
+        cases = copy_cases(tokenizer, cfg, demonstrations(tokenizer, cfg, rollouts, train_rows)[4], heldout_rows, args)
+        batch["copy"] = scored(tokenizer, [c[0] for c in cases],
+                               sample(engine, [c[5] for c in cases], 1, 0.0, args.copy_tokens, seed=2))
+        batch["seconds"], batch["generation_s"] = time.time() - t0, time.time() - t1
+    finally:
+        engine.close()
     with open(path + ".tmp", "w") as f:
         json.dump(batch, f)
     os.replace(path + ".tmp", path)
     return batch
+
+
+def batch_rollouts(batch: dict, tokenizer, cfg, by_uid: dict) -> list:
+    """The saved training samples as the loop's rollouts, with GRPO's advantages and SDPO's
+    teacher contexts (objectives.prepare_*) written on them."""
+    import data
+    import objectives
+    rollouts = []
+    for s in batch["train"]:
+        row = by_uid[s["uid"]]
+        rollouts.append(objectives.Rollout(row=row, prompt_ids=data.chat_prompt_ids(tokenizer, row["messages"]),
+                                           response_ids=s["response_ids"], rollout_logprobs=[0.0] * len(s["response_ids"]),
+                                           text=s["text"], truncated=s["truncated"], reward=s["reward"],
+                                           feedback=s["feedback"]))
+    objectives.prepare_advantages(rollouts, tokenizer, cfg)
+    return rollouts, objectives.prepare_teacher_contexts(rollouts, tokenizer, cfg)
 
 
 # ----------------------------------------------------------------------------------------
@@ -194,18 +210,17 @@ def sequence_logprobs(policy, seqs: list, response_lens: list, pad_id: int, temp
     return out
 
 
-def counterfactual_teacher(args, policy, tokenizer, cfg, batch, rollouts, train_rows, heldout_rows) -> list:
+def demonstrations(tokenizer, cfg, rollouts: list, train_rows: list) -> tuple:
+    """For each sample with a demonstration (and a counterfactual row): (sample indices, real
+    teacher ids, counterfactual teacher ids, None, {uid: (row, demo, counterfactual demo, map)})."""
     import sdpo
-    pad = tokenizer.pad_token_id
     tb = sdpo.build_teacher_batch(tokenizer, [r.row for r in rollouts], [r.response_ids for r in rollouts],
                                   [r.text for r in rollouts], [r.reward for r in rollouts],
                                   [""] * len(rollouts), cfg.sdpo)
     demo_text, real, cf, chosen, pairs = {}, [], [], [], {}
     for i, r in enumerate(rollouts):
         j = tb.demo_index[i]
-        if j is None:
-            continue
-        found = counterfactual(r.row, train_rows)
+        found = counterfactual(r.row, train_rows) if j is not None else None
         if found is None:
             continue
         demo = demo_text.setdefault(j, sdpo.strip_thinking(tokenizer.decode(rollouts[j].response_ids,
@@ -216,47 +231,56 @@ def counterfactual_teacher(args, policy, tokenizer, cfg, batch, rollouts, train_
         real.append(r.teacher_ids)
         cf.append(sdpo.teacher_prompt_ids(tokenizer, r.row["messages"], cf_demo, None, cfg.sdpo) + r.response_ids)
         chosen.append(i)
-        pairs.setdefault(r.row["uid"], (r.row, demo, cf_demo, found))
+        pairs.setdefault(r.row["uid"], (r.row, demo, cf_demo, found[0]))
+    return chosen, real, cf, None, pairs
+
+
+def copy_cases(tokenizer, cfg, pairs: dict, heldout_rows: list, args) -> list:
+    """The copy test's prompts: (row, demonstration or None, the counterfactual's answer, source,
+    shown, prompt ids): held-out rows bare, shown their worked solution and a counterfactual
+    one; the batch's rows shown their real and their counterfactual sibling demonstration."""
+    import data
+    import sdpo
+    cases = []
+    for row in heldout_rows[:args.copy_rows]:
+        found = counterfactual(row, heldout_rows)
+        if found is None:
+            continue
+        for demo, shown in ((None, "bare"), (row["teacher_response"], "real"),
+                            (substitute(row["teacher_response"], found[0]), "counterfactual")):
+            cases.append((row, demo, found[0][int(row["answer"])], "worked", shown))
+    for row, demo, cf_demo, mapping in pairs.values():
+        for d, shown in ((demo, "real"), (cf_demo, "counterfactual")):
+            cases.append((row, d, mapping[int(row["answer"])], "sibling", shown))
+    return [c + (data.chat_prompt_ids(tokenizer, c[0]["messages"]) if c[1] is None
+                 else sdpo.teacher_prompt_ids(tokenizer, c[0]["messages"], c[1], None, cfg.sdpo),) for c in cases]
+
+
+def counterfactual_teacher(args, policy, tokenizer, cfg, batch, rollouts, train_rows, heldout_rows) -> list:
+    pad = tokenizer.pad_token_id
+    chosen, real, cf, _, pairs = demonstrations(tokenizer, cfg, rollouts, train_rows)
     lens = [len(rollouts[i].response_ids) for i in chosen]
     t_real = sequence_logprobs(policy, real, lens, pad, cfg.rollout.temperature)
     t_cf = sequence_logprobs(policy, cf, lens, pad, cfg.rollout.temperature)
     student = sequence_logprobs(policy, [rollouts[i].prompt_ids + rollouts[i].response_ids for i in chosen], lens, pad,
                                 cfg.rollout.temperature)
-    sums = {(what, part): [0.0, 0] for what in ("real_minus_cf", "real_minus_student", "cf_minus_student")
-            for part in PARTS}
+    gaps = ("real_minus_cf", "real_minus_student", "cf_minus_student")
+    sums = {(what, part): [0.0, 0] for what in gaps for part in PARTS}
     for i, tr, tc, s in zip(chosen, t_real, t_cf, student):
         for part, a, b, c in zip(token_parts(tokenizer, rollouts[i].response_ids), tr.tolist(), tc.tolist(), s.tolist()):
-            for what, v in (("real_minus_cf", a - b), ("real_minus_student", a - c), ("cf_minus_student", b - c)):
+            for what, v in zip(gaps, (a - b, a - c, b - c)):
                 sums[what, part][0] += v
                 sums[what, part][1] += 1
     mean = {k: v[0] / max(v[1], 1) for k, v in sums.items()}
-    tokens = {part: sums["real_minus_cf", part][1] for part in PARTS}
     lines = [f"RESULT diag=counterfactual_gap samples={len(chosen)} rows={len(pairs)} "
-             + " ".join(f"tokens_{p}={tokens[p]}" for p in PARTS) + " "
-             + " ".join(f"{what}_{p}={mean[what, p]:+.3f}" for what in ("real_minus_cf", "real_minus_student",
-                                                                          "cf_minus_student") for p in PARTS)]
-    # the copy test: greedy answers shown a real / a counterfactual demonstration
-    import data
-    cases = []  # (row, demonstration or None, the counterfactual's answer, source, shown)
-    for row in heldout_rows[:args.copy_rows]:
-        found = counterfactual(row, train_rows)
-        if found is None:
-            continue
-        cf_answer = found[0][int(row["answer"])]
-        for demo, shown in ((None, "bare"), (row["teacher_response"], "real"),
-                            (substitute(row["teacher_response"], found[0]), "counterfactual")):
-            cases.append((row, demo, cf_answer, "worked", shown))
-    for row, demo, cf_demo, found in pairs.values():
-        for d, shown in ((demo, "real"), (cf_demo, "counterfactual")):
-            cases.append((row, d, found[0][int(row["answer"])], "sibling", shown))
-    prompts = [data.chat_prompt_ids(tokenizer, row["messages"]) if demo is None
-               else sdpo.teacher_prompt_ids(tokenizer, row["messages"], demo, None, cfg.sdpo)
-               for row, demo, *_ in cases]
-    answers = scored(tokenizer, [c[0] for c in cases],
-                     generate(policy.hf, tokenizer, prompts, 0.0, args.copy_tokens, seed=2))
+             + " ".join(f"tokens_{p}={sums['real_minus_cf', p][1]}" for p in PARTS) + " "
+             + " ".join(f"{what}_{p}={mean[what, p]:+.3f}" for what in gaps for p in PARTS)]
     from feedback.math import extract_answer, normalize
+    cases = copy_cases(tokenizer, cfg, pairs, heldout_rows, args)
+    assert len(cases) == len(batch["copy"]), "the saved copy answers are of other prompts: --regenerate"
     tally = {}
-    for (row, demo, cf_answer, source, shown), a in zip(cases, answers):
+    for (row, demo, cf_answer, source, shown, _), a in zip(cases, batch["copy"]):
+        assert a["uid"] == row["uid"]
         got = extract_answer(a["text"])
         got = normalize(got) if got is not None else None
         t = tally.setdefault((source, shown), [0, 0, 0, 0])
@@ -346,24 +370,11 @@ def gradients(args, policy, tokenizer, flags, rollouts, heldout) -> list:
         metrics, _ = run.update_policy(cfg, objective, trainer, copy.deepcopy(rollouts), 0, pad, run.Dist(0, 1, "cpu"))
         return keeper.grad, metrics
 
-    t0 = time.time()
-    grpo, _ = update_grad(["--algo=grpo"])
-    print(f"[{time.strftime('%H:%M:%S')}] GRPO gradient ({time.time() - t0:.0f}s)", flush=True)
-    variants = [("grpo", None, None, grpo, {})]
-    for support, k in SUPPORTS:
-        for alpha in (ALPHAS if support != "token" else (0.5,)):
-            t0 = time.time()
-            extra = ["--algo=sdpo", f"--sdpo.distill={support}", f"--sdpo.alpha={alpha}"] + \
-                    ([f"--sdpo.topk={k}"] if k else [])
-            grad, metrics = update_grad(extra)
-            variants.append(("sdpo", support if not k else f"top{k}", None if support == "token" else alpha, grad,
-                             metrics))
-            print(f"[{time.strftime('%H:%M:%S')}] SDPO {variants[-1][1]} α={alpha} ({time.time() - t0:.0f}s)",
-                  flush=True)
-    lines = []
-    grpo, grad_entropy, grad_heldout = grpo.double(), grad_entropy.double(), grad_heldout.double()  # 135M-term sums
+    grad_entropy, grad_heldout = grad_entropy.double(), grad_heldout.double()  # 135M-term sums
     norm = lambda v: v.norm().clamp_min(1e-30)
-    for algo, support, alpha, g, metrics in variants:
+    lines, grpo = [], None
+
+    def report(name: str, g: torch.Tensor, metrics: dict, token_level: bool = False):
         g = g.double()
         d = -g / norm(g)
         fields = {"grad_norm": f"{g.norm():.4g}", "cos_grpo": f"{float(g @ grpo / (norm(g) * norm(grpo))):+.3f}",
@@ -372,10 +383,28 @@ def gradients(args, policy, tokenizer, flags, rollouts, heldout) -> list:
                   "d_heldout_logprob": f"{float(d @ grad_heldout):+.4g}",
                   "cos_heldout_logprob": f"{float(d @ grad_heldout / norm(grad_heldout)):+.3f}"}
         for kind in ("",) + tuple(f"_{k}" for k in KINDS):  # token level logs its surrogate, not a divergence
-            if f"sdpo/divergence{kind}" in metrics and support != "token":
+            if f"sdpo/divergence{kind}" in metrics and not token_level:
                 fields[f"divergence{kind}"] = f"{metrics[f'sdpo/divergence{kind}']:.4f}"
-        name = f"algo={algo}" + (f" support={support} alpha={alpha}" if algo == "sdpo" else "")
         lines.append(f"RESULT diag=gradient {name} " + " ".join(f"{k}={v}" for k, v in fields.items()))
+        print(lines[-1], flush=True)
+
+    t0 = time.time()
+    grpo = update_grad(["--algo=grpo"])[0].double()
+    print(f"[{time.strftime('%H:%M:%S')}] GRPO gradient ({time.time() - t0:.0f}s)", flush=True)
+    report("algo=grpo", grpo, {})
+    for support, k in SUPPORTS:
+        for alpha in (ALPHAS if support != "token" else (0.5,)):
+            name = support if not k else f"top{k}:{alpha}"
+            if args.variants and name not in args.variants.split(","):
+                continue
+            t0 = time.time()
+            extra = ["--algo=sdpo", f"--sdpo.distill={support}", f"--sdpo.alpha={alpha}"] + \
+                    ([f"--sdpo.topk={k}"] if k else [])
+            grad, metrics = update_grad(extra)
+            print(f"[{time.strftime('%H:%M:%S')}] SDPO {support}{k or ''} α={alpha} ({time.time() - t0:.0f}s)",
+                  flush=True)
+            report(f"algo=sdpo support={support if not k else f'top{k}'} alpha={'-' if not k else alpha}", grad,
+                   metrics, token_level=not k)
     return lines
 
 
@@ -394,6 +423,9 @@ def main():
     parser.add_argument("--copy_tokens", type=int, default=128, help="the copy test's greedy answers' token limit")
     parser.add_argument("--regenerate", action="store_true", help="sample the fixed batch again")
     parser.add_argument("--model", default="", help="HF directory (default: bench/smollm2.py's)")
+    parser.add_argument("--variants", default="",
+                        help="SDPO variants of (b), e.g. token,top100:0.5 (default: all ten)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads for the trainer's part (0: the cores)")
     args = parser.parse_args()
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
@@ -410,24 +442,17 @@ def main():
              f"--rollout.temperature={args.temperature}", f"--rollout.max_tokens={args.max_tokens}",
              f"--rollout.n={args.n}", f"--train.prompts_per_step={args.prompts}", "--train.mini_batches=1",
              "--train.micro_batch=8", "--optim.grad_clip=1e30", "--rollout.is_correction=False",
-             "--sdpo.include_environment_feedback=False"]
+             "--sdpo.include_environment_feedback=False", "--rollout.kv_cache_tokens=32768"]
     cfg = run.parse_config(flags + ["--algo=sdpo"])
     tokenizer = run.load_tokenizer(model)
+    by_uid = {r["uid"]: r for r in train_rows + heldout_rows}
+    batch = fixed_batch(args, cfg, model, tokenizer, train_rows, heldout_rows)
+    torch.set_num_threads(args.threads or os.cpu_count())
     policy = load_policy(model, cfg, 1, torch.device("cpu"))
     policy.eval()  # no dropout; update_policy sets train(), which this model does not use
-    batch = fixed_batch(args, policy.hf, tokenizer, train_rows, heldout_rows)
-    by_uid = {r["uid"]: r for r in train_rows + heldout_rows}
-    rollouts = []
-    for s in batch["train"]:
-        row = by_uid[s["uid"]]
-        rollouts.append(objectives.Rollout(row=row, prompt_ids=data.chat_prompt_ids(tokenizer, row["messages"]),
-                                           response_ids=s["response_ids"], rollout_logprobs=[0.0] * len(s["response_ids"]),
-                                           text=s["text"], truncated=s["truncated"], reward=s["reward"],
-                                           feedback=s["feedback"]))
+    rollouts, prepared = batch_rollouts(batch, tokenizer, cfg, by_uid)
     for h in batch["heldout"]:
         h["prompt_ids"] = data.chat_prompt_ids(tokenizer, by_uid[h["uid"]]["messages"])
-    objectives.prepare_advantages(rollouts, tokenizer, cfg)
-    prepared = objectives.prepare_teacher_contexts(rollouts, tokenizer, cfg)
     kinds = {k: sum(1 for r in rollouts if (r.truncated if k == "truncated" else
                                             (not r.truncated and (r.reward >= 0.5) == (k == "right"))))
              for k in KINDS}
@@ -436,11 +461,12 @@ def main():
              f" groups_with_success={prepared['sdpo/groups_with_success']:.3f}"
              f" response_length={sum(len(r.response_ids) for r in rollouts) / len(rollouts):.1f}"
              f" heldout_correct={sum(h['reward'] >= 0.5 for h in batch['heldout'])}/{len(batch['heldout'])}"
-             f" generation_s={batch['seconds']:.0f}"]
+             f" sampling_s={batch['seconds']:.0f}"]
     print(f"[{time.strftime('%H:%M:%S')}] {lines[0]} ({time.time() - t_start:.0f}s)", flush=True)
     t0 = time.time()
     lines += counterfactual_teacher(args, policy, tokenizer, cfg, batch, rollouts, train_rows, heldout_rows)
-    print(f"[{time.strftime('%H:%M:%S')}] counterfactual teacher ({time.time() - t0:.0f}s)", flush=True)
+    print(f"[{time.strftime('%H:%M:%S')}] counterfactual teacher ({time.time() - t0:.0f}s)\n"
+          + "\n".join(lines[1:]), flush=True)  # all of them again at the end
     lines += gradients(args, policy, tokenizer, flags, rollouts, batch["heldout"])
     load = os.getloadavg()
     lines.append(f"RESULT diag=run wall_s={time.time() - t_start:.0f} threads={torch.get_num_threads()} "
