@@ -39,7 +39,8 @@ cos(d, ∇LP). GRPO's own figures are printed beside them.
 (c) SDPO's divergence on the batch split by sample kind (sdpo/divergence_right|wrong|truncated),
 for every variant of (b).
 
-Prints RESULT lines. Needs bench/smollm2.py's model (built on first use) and about 3 GB.
+Prints RESULT lines (each as it comes, all again at the end). Needs bench/smollm2.py's model
+(built on first use).
 """
 import argparse
 import json
