@@ -432,7 +432,6 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
     import data
-    import objectives
     import run
     from policy import load_policy
     model = args.model or smollm2.smollm2_dir()
