@@ -203,6 +203,10 @@ class TrainConfig:
     # loop, the other half with --train.off_policy_steps 1 while a generation runs (docs/async.md)
     cpu_threads: int = 0
     share_prompt_prefix: bool = True  # a prompt several rollouts of a forward share runs once (KV cache reuse)
+    # True: a truncated sample (it hit --rollout.max_tokens) contributes no loss and no count to the
+    # loss's normalisation in any objective; GRPO's group statistics still include it (TRL's
+    # mask_truncated_completions; docs/loop.md, Truncated samples)
+    mask_truncated: bool = False
     # GRPO/GSPO/DPO/SFT/GAD log-probs from hidden states this many rows of logits at a time, never
     # [tokens, vocab] (chunked_head.token_logprobs_from_hidden); 0: plain autograd on the full logits
     head_chunk_size: int = 512

@@ -8,6 +8,7 @@ correction (`engine_correction`), the rollout statistics (`rollout_stats`) and `
 Statistics are (sum, count) pairs that run.reduce_stats averages over micro-batches and ranks;
 a name ending in "_max" is a maximum instead (its count is ignored).
 """
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -446,6 +447,12 @@ def sdpo_loss(mb: MicroBatch, models: Models, cfg):
     per_token = mb.matrix(loss) * is_clip * engine_correction(mb, old, cfg)
     stats = rollout_stats(mb, old, entropy)
     stats["sdpo/divergence"] = ((mb.matrix(loss).detach() * mask).sum().item(), mask.sum().item())
+    right = lambda r: r.reward >= cfg.sdpo.success_threshold
+    kinds = {"right": lambda r: right(r) and not r.truncated, "wrong": lambda r: not (right(r) or r.truncated),
+             "truncated": lambda r: r.truncated}
+    for name, of_kind in kinds.items():  # a partition of the samples with a teacher context
+        rows = mb.per_sequence(of_kind)[:, None] * mask
+        stats[f"sdpo/divergence_{name}"] = ((mb.matrix(loss).detach() * rows).sum().item(), rows.sum().item())
     stats.update(teacher_diagnostics(mb, mask, current, entropy, teacher_lp, teacher_entropy,
                                      cfg.sdpo.success_threshold))
     return aggregate(mb, per_token, mask, cfg, "token-mean"), stats
@@ -593,6 +600,8 @@ def prepare_pairs(rollouts: list, tokenizer, cfg) -> dict:
         else:
             found, tied = preference_pairs([r.reward for r in group], cfg.dpo.pairs)
             ties += tied
+        if cfg.train.mask_truncated:  # a pair with a truncated sample would give it a loss
+            found = [(c, j) for c, j in found if not (group[c].truncated or group[j].truncated)]
         for chosen, rejected in found:
             group[chosen].preferred_over.append(rejected)
             group[chosen].paired = group[rejected].paired = True
@@ -779,6 +788,14 @@ class Objective:
     models: tuple = ()  # optional models: "teacher", "reference", "discriminator"
     row_fields: tuple = ()  # fields every training row must have
     references: bool = False  # train on the rows' references instead of generating
+
+
+def without_truncated(objective: Objective) -> Objective:
+    """The objective with its truncated samples left out of every loss and of the optimizer
+    steps' counts (--train.mask_truncated): they are not counted, so not in any micro-batch.
+    What prepare wrote from the whole batch (GRPO's advantages, SDPO's demonstrations) stays."""
+    return dataclasses.replace(objective, counted=lambda r: objective.counted(r) and not r.truncated,
+                               counted_only=True)
 
 
 OBJECTIVES = {

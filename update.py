@@ -29,6 +29,8 @@ def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step
     token, no rollout whose loss can have a gradient (objective.moves), or a zero gradient."""
     models = trainer.models
     models.policy.train()
+    if cfg.train.mask_truncated:
+        objective = objectives.without_truncated(objective)
     before = objective.before_update(rollouts, models, cfg, pad_id, d)
     units = mini_batch_units(rollouts, objective, cfg.train.shuffle_samples)
     random.Random(stream_seed("shuffle", cfg.train.seed, step)).shuffle(units)

@@ -154,3 +154,64 @@ def test_the_teacher_runs_once_per_update_with_the_same_gradients(algo, monkeypa
     for key, value in each_metrics.items():
         if not key.startswith("time/"):
             assert cached_metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+TRUNCATED = (1, 6, 9)  # a wrong sample of each prompt (the first sample of each succeeds)
+
+
+def _with_truncated(tokenizer, algo):
+    rollouts = _rollouts(tokenizer, algo)
+    for i in TRUNCATED:
+        rollouts[i].truncated = True
+    return rollouts
+
+
+@pytest.mark.parametrize("algo", ["grpo", "gspo", "sdpo", "hybrid"])
+def test_mask_truncated_gives_the_gradient_of_the_batch_without_the_truncated_samples(algo, tokenizer):
+    """--train.mask_truncated: the gradient is the one of the same batch with the truncated
+    samples removed (their advantages and teacher contexts, written from the whole batch,
+    left as they were), normalised by the other samples' tokens; without the flag it is not."""
+    import copy
+    rollouts = _with_truncated(tokenizer, algo)
+    flags = [f"--algo={algo}", "--train.mini_batches=1", "--train.micro_batch=3", "--sdpo.topk=8",
+             "--sdpo.chunk_size=7"]
+    masked, _ = new_loop_step(flags + ["--train.mask_truncated=True"], copy.deepcopy(rollouts))
+    removed, _ = new_loop_step(flags, copy.deepcopy([r for r in rollouts if not r.truncated]))
+    kept, _ = new_loop_step(flags, copy.deepcopy(rollouts))
+    assert len(masked) == len(removed) == len(kept) == 1
+    distance = lambda a, b: max(float((a[n] - b[n]).abs().max() / b[n].norm().clamp_min(1e-12)) for n in b)
+    assert distance(masked[0], removed[0]) < 1e-5
+    assert distance(kept[0], removed[0]) > 1e-3
+
+
+def test_mask_truncated_leaves_every_dpo_pair_with_a_truncated_sample_out(tokenizer):
+    rollouts = _with_truncated(tokenizer, "grpo")
+    for i, r in enumerate(rollouts):
+        r.reward = float(i % 4 in (0, 2))  # two right, two wrong per prompt; 1, 6, 9 truncated
+    cfg = run.parse_config(["--algo=dpo", "--dpo.pairs=all", "--train.mask_truncated=True", "--train.mini_batches=1"])
+    objectives.prepare_pairs(rollouts, tokenizer, cfg)
+    expected = sum(1 for i in range(12) for j in range(12) if i // 4 == j // 4 and rollouts[i].reward > rollouts[j].reward
+                   and i not in TRUNCATED and j not in TRUNCATED)
+    assert sum(len(r.preferred_over) for r in rollouts) == expected == 6  # of 12 without the flag
+    assert not any(r.paired for r in rollouts if r.truncated)
+
+
+def test_sdpo_divergence_by_sample_kind_is_the_divergence_of_those_samples_alone(tokenizer):
+    """sdpo/divergence_right|wrong|truncated: each the divergence an update on that kind of
+    sample alone logs (the same teacher contexts); together the whole batch's."""
+    import copy
+    rollouts = _with_truncated(tokenizer, "sdpo")
+    flags = ["--algo=sdpo", "--train.mini_batches=1", "--sdpo.topk=8", "--sdpo.chunk_size=7"]
+    _, metrics = new_loop_step(flags, copy.deepcopy(rollouts))
+    kinds = {"right": lambda r: r.reward >= 0.5 and not r.truncated, "truncated": lambda r: r.truncated,
+             "wrong": lambda r: r.reward < 0.5 and not r.truncated}
+    total, tokens = 0.0, 0
+    for name, of_kind in kinds.items():
+        alone = [r for r in rollouts if of_kind(r) and r.sdpo_mask > 0]
+        _, own = new_loop_step(flags, copy.deepcopy(alone))
+        assert metrics[f"sdpo/divergence_{name}"] == pytest.approx(own["sdpo/divergence"], rel=1e-4), name
+        n = sum(len(r.response_ids) for r in alone)
+        total, tokens = total + own["sdpo/divergence"] * n, tokens + n
+    assert metrics["sdpo/divergence"] == pytest.approx(total / tokens, rel=1e-4)
+    values = sorted(metrics[f"sdpo/divergence_{k}"] for k in kinds)  # the split tells the kinds apart
+    assert values[0] < 0.99 * values[1] and values[1] < 0.99 * values[2], values
