@@ -198,14 +198,14 @@ def token_parts(tokenizer, ids: list) -> list:
 
 def sequence_logprobs(policy, seqs: list, response_lens: list, pad_id: int, temperature: float = 1.0) -> list:
     """Per-token log-probs of each sequence's last response_lens tokens, 8 sequences a forward."""
+    import chunked_head
     import data
-    import losses
     import objectives
     out = []
     with torch.no_grad():
         for i in range(0, len(seqs), 8):
             packed = data.pack(seqs[i:i + 8], response_lens[i:i + 8], pad_id, "cpu")
-            lp = objectives.forward(policy, packed, lambda h, w: losses.logprobs_and_entropy_from_hidden(
+            lp = objectives.forward(policy, packed, lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(
                 h, w, packed.targets, temperature)[0])
             out += list(lp.split(response_lens[i:i + 8]))
     return out
