@@ -299,8 +299,9 @@ class WeightReceiver:
 
 
 def release_freed_memory():
-    """Hand the memory a weight load freed back to the system (glibc's malloc_trim): without
-    it the engine's worker grew by tens of percent over a long run (docs/sync.md)."""
+    """Hand the memory a weight load freed back to the system (glibc's malloc_trim), after each
+    load through the group: each re-creates and re-packs every layer's weights. Whether this
+    holds the engine worker's memory flat over a long run is not measured yet (issue 51)."""
     if torch.cuda.is_available():
         return
     import ctypes
