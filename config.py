@@ -80,6 +80,12 @@ class RolloutConfig:
     # start from the same step-0 figure and differ by what training did (docs/loop.md)
     eval_seed: int = 0
     rpc_timeout_s: float = 600.0  # longest wait for a weight load into the engine
+    # How a weight sync reaches an engine in its own process (sync.py, docs/sync.md): "group", a process
+    # group with its workers (gloo on CPU, NCCL on GPUs), buckets in the engine's dtype; "file", one
+    # safetensors file of the full state dict in /dev/shm
+    sync: Literal["group", "file"] = "group"
+    sync_bucket_mb: int = 512  # the group path's largest bucket (a bigger tensor travels alone)
+    sync_addr: str = ""  # host:port the engine's workers reach trainer rank 0 at; empty: this machine, a free port
     # On CPU: cores the engine's worker computes on (vLLM binds one OpenMP thread to each).
     # 0: every core in the synchronous loop (the trainer waits meanwhile), half of them with
     # --train.off_policy_steps 1 (the trainer works beside it). Ignored by a GPU engine.

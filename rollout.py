@@ -25,19 +25,18 @@ import torch.distributed as dist
 
 import data
 import feedback
-import chunked_head
+import sync
 import objectives
 from objectives import Dist, Rollout
 from config import Config
 from logger import status
-from policy import CausalLM, pad_token_id
-from teacher import reshard
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
 
 
+ROOT = os.path.dirname(os.path.abspath(__file__))
 # vLLM general plugins found on this path run in every process vLLM starts (vllm_plugins/).
 PLUGIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_plugins")
 VLLM_LOGGING = os.path.join(PLUGIN_DIR, "logging.json")
@@ -136,32 +135,6 @@ def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
     return 2 * text["num_hidden_layers"] * kv_heads * head_dim * width
 
 
-def engine_state(hf_model, state: dict) -> dict:
-    """A model's state dict under the names of its checkpoint, which the engine loads:
-    transformers 5 renames some models' weights on loading (Qwen2.5-VL: `visual.*` becomes
-    `model.visual.*`, `model.layers.*` becomes `model.language_model.layers.*`) and back on
-    saving. A tied LM head gets its `lm_head.weight` (see _checkpoint_keys)."""
-    from transformers.core_model_loading import revert_weight_conversion
-    state = revert_weight_conversion(hf_model, dict(state))
-    if hf_model.config.get_text_config().tie_word_embeddings and state and "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    return state
-
-
-def _checkpoint_keys(model_dir: str) -> set[str]:
-    """Keys a full sync must carry: the checkpoint's, plus lm_head.weight of a tied model,
-    which HF does not save but vLLM's layerwise reload waits for."""
-    from safetensors import safe_open
-    config = _config(model_dir)
-    tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False))
-    keys = {"lm_head.weight"} if tied else set()
-    for name in os.listdir(model_dir):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(model_dir, name), "pt") as f:
-                keys.update(f.keys())
-    return keys
-
-
 def _cpu_engine_args(model_dir: str, dtype: str, max_model_len: int, kv_cache_tokens: int) -> dict:
     """vLLM's arguments for a CPU engine. A seeded request caught mid-way through a chunked
     prefill makes vLLM rewind its torch.Generator, which CPU generators cannot do ("CPU
@@ -186,6 +159,8 @@ class Engine:
     a 135M model).
     cpu_cores: on CPU, the cores the engine's worker binds its OpenMP threads to (None: all of
     this process's; vLLM's own choice would be one core of two, the other left to its scheduler).
+    sync_addr: "host:port" at which the engine's workers reach this process for a weight sync
+    through a process group (sync.py); empty: this machine, a free port.
 
     Each sample is stamped with the version of the weights that generated it. `in_background`
     runs a job that uses the engine (the next batch's generation) while the caller trains; any
@@ -195,7 +170,8 @@ class Engine:
     def __init__(self, model_dir: str, placement: str = "colocated", dtype: str = "auto",
                  gpu_memory_utilization: float = 0.3, max_model_len: int = 2048, seed: int = 0,
                  own_process: bool | None = None, engine_gpu: int | None = None, rpc_timeout_s: float = 600.0,
-                 enforce_eager: bool = True, kv_cache_tokens: int = 0, cpu_cores: list[int] | None = None):
+                 enforce_eager: bool = True, kv_cache_tokens: int = 0, cpu_cores: list[int] | None = None,
+                 sync_addr: str = ""):
         _quiet_vllm_logging()
         from vllm import LLM
         if placement not in ("colocated", "separate"):
@@ -219,14 +195,16 @@ class Engine:
             bound = cpu_cores or sorted(os.sched_getaffinity(0))
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, bound))
         env.update(_quiet_engine_processes())
+        _importable(env, ROOT)  # the workers load sync.WeightReceiver
         self.model_dir = model_dir
         self.own_process = own_process
         self.rpc_timeout_s = rpc_timeout_s
         self.weights_version = 0  # the checkpoint's weights
         self._background = None  # the job started by in_background, until someone waits for it
         self._idle_since = None  # when the last generation ended
-        self.expected_keys = _checkpoint_keys(model_dir)
-        self._sync_dir = None
+        self.expected_keys = sync.checkpoint_keys(model_dir)
+        self._sync_dir = None  # the file path's directory
+        self.sync_addr, self._weight_group = sync_addr, None  # the group path's
         engine_args = {} if torch.cuda.is_available() else _cpu_engine_args(model_dir, dtype, max_model_len,
                                                                             kv_cache_tokens)
         self.vision = "vision_config" in _config(model_dir)
@@ -246,6 +224,7 @@ class Engine:
                 # the trainer reproduces by dividing its logits by the same temperature.
                 logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                 use_tqdm_on_load=False,  # its bar at every weight sync would break the run's own
+                worker_extension_cls="sync.WeightReceiver",
                 **engine_args,
             )
         self.start_seconds = time.perf_counter() - t0
@@ -261,15 +240,25 @@ class Engine:
         """fn(*args, **kwargs) into vLLM, its failures as EngineError. An own-process engine
         is watched while the call runs: when its process dies, vLLM notices but a generate
         call waits for outputs forever (vllm 0.32, kill -9 of the engine core)."""
-        try:
-            if not self.processes:
+        if not self.processes:
+            try:
                 return fn(*args, **kwargs)
-            call = Background(lambda: fn(*args, **kwargs), name=f"vLLM {what}")
-            while not call.done.wait(1.0):
+            except Exception as e:  # vLLM's EngineDeadError, TimeoutError, broken pipes ...
+                raise EngineError(f"vLLM engine failed during {what}: {type(e).__name__}: {e}") from e
+        return self._wait(what, Background(lambda: fn(*args, **kwargs), name=f"vLLM {what}"))
+
+    def _wait(self, what: str, job: Background, *watched: Background):
+        """job's result (a Background thread that talks to the engine); EngineError as soon as it
+        or a watched job fails, or an engine process dies."""
+        try:
+            while not job.done.wait(1.0):
                 dead = [(pid, name) for pid, (process, name) in self.processes.items() if not _alive(process)]
                 if dead:
                     raise EngineError(f"vLLM engine process {dead[0][1]} (pid {dead[0][0]}) died during {what}")
-            return call.result(0)
+                for other in watched:
+                    if other.done.is_set() and other.error is not None:
+                        other.result(0)
+            return job.result(0)
         except EngineError:
             raise
         except Exception as e:  # vLLM's EngineDeadError, TimeoutError, broken pipes ...
@@ -344,9 +333,11 @@ class Engine:
         return [[step[token].logprob for token, step in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
                 for out in outputs]
 
-    def update_weights(self, state_dict: dict, probe_ids: list[int], trainer_probe_logprobs: torch.Tensor,
+    def update_weights(self, weights, probe_ids: list[int], trainer_probe_logprobs: torch.Tensor,
                        tol: float, version: int | None = None, probe_images: list | None = None) -> SyncResult:
-        """Load a full HF-named state dict into the engine, reset the prefix cache, and prove it.
+        """Load weights into the engine, reset the prefix cache, and prove it. weights: a full
+        HF-named state dict (through a file, or directly into an engine in this process), or a
+        sync.WeightStream (through the weight group, or directly into an engine in this process).
 
         trainer_probe_logprobs: log-probs of the probe under the weights being synced (see
         `probe_logprobs`), one per token after the first of the probe with its image tokens
@@ -358,19 +349,24 @@ class Engine:
         waited = self._finish_background()
         t0 = time.perf_counter()
         idle = t0 - self._idle_since if self._idle_since is not None else 0.0
-        missing = self.expected_keys - set(state_dict)
+        missing = self.expected_keys - (set(weights) if isinstance(weights, dict) else weights.keys)
         if missing:
             # vLLM reloads layer by layer and keeps *every* old weight when one key is absent.
             raise EngineError(f"weight sync: state dict lacks {len(missing)} checkpoint keys, e.g. "
                               f"{sorted(missing)[:5]} (a tied lm_head.weight must be included)")
-        if self.own_process:
+        if not isinstance(weights, dict) and self.own_process:
+            load = lambda: self._stream_weights(weights)
+        elif self.own_process:
             # Tensors cannot cross to the engine process by pickling (bf16 has no buffer
             # protocol), so they go through a safetensors file in shared memory.
-            self._write_sync_file(state_dict)
-            load = lambda: {"weights_path": self._sync_dir}
+            if self._sync_dir is None:
+                self._sync_dir = tempfile.mkdtemp(prefix="sdpo-sync-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            sync.write_sync_file(self._sync_dir, weights)
+            load = lambda: self._reload(weights_path=self._sync_dir)
         else:
-            weights = [(k, v.detach()) for k, v in state_dict.items()]
-            load = lambda: {"weights_iterator": iter(weights)}  # a fresh iterator for each load
+            pairs = [(k, v.detach()) for k, v in weights.items()] if isinstance(weights, dict) else None
+            # a fresh iterator for each load
+            load = lambda: self._reload(weights_iterator=iter(pairs) if pairs is not None else weights.tensors())
         diff = self._load_and_probe(load, probe_ids, probe_images, trainer_probe_logprobs)
         reloads = 0
         if not diff <= tol:  # NaN fails too
@@ -387,12 +383,60 @@ class Engine:
         return SyncResult(seconds=time.perf_counter() - t0, probe_max_abs_diff=diff, waited_s=waited,
                           engine_idle_s=idle, reloads=reloads)
 
+    def _reload(self, **kwargs):
+        self._call("weight sync", self.llm.collective_rpc, "reload_weights", timeout=self.rpc_timeout_s, kwargs=kwargs)
+
+    def _stream_weights(self, stream):
+        """One pass of a sync.WeightStream through the weight group: the workers receive and load
+        the buckets (an RPC that returns once they have) while this thread gathers the next
+        bucket and another sends the last. A failure stops the sending, not the gathering, which
+        the other trainer ranks take part in: the pass runs to its end, then the error is raised."""
+        if self._weight_group is None:
+            self._weight_group = self._open_weight_group()
+        group, error, sending = self._weight_group, None, None
+        receiving = Background(lambda: self.llm.collective_rpc(
+            "receive_weights", timeout=self.rpc_timeout_s, args=(stream.plan(), str(stream.dtype).split(".")[-1])),
+            name="vLLM weight sync")
+        for bucket in stream.buckets():
+            if error is not None:
+                continue
+            try:
+                if sending is not None:
+                    self._wait("weight sync", sending, receiving)
+                sending = Background(lambda b=bucket: group.broadcast(b, 0).wait(), name="weight sync send")
+            except EngineError as e:
+                error = e
+        try:
+            if error is None:
+                if sending is not None:
+                    self._wait("weight sync", sending, receiving)
+                self._wait("weight sync", receiving)
+        except EngineError as e:
+            error = e
+        if error is not None:
+            self._weight_group = None  # in an unknown state
+            raise error
+
+    def _open_weight_group(self):
+        """The process group of this process (rank 0) and the engine's workers (sync.py)."""
+        host, port = sync.group_address(self.sync_addr)
+        workers = self.llm.llm_engine.vllm_config.parallel_config.world_size
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        joining = Background(lambda: self.llm.collective_rpc(
+            "init_weight_group", timeout=self.rpc_timeout_s, args=(host, port, 1 + workers, backend, self.rpc_timeout_s)),
+            name="vLLM weight group")
+        # under torchrun, torch's rendezvous would join torchrun's own store instead of opening one
+        with _patched_env({}, ["TORCHELASTIC_USE_AGENT_STORE"]):
+            opening = Background(lambda: sync.init_group(host, port, 0, 1 + workers, backend, self.rpc_timeout_s),
+                                 name="weight group")
+            self._wait("weight group set-up", joining, opening)
+            return self._wait("weight group set-up", opening)
+
     def _load_and_probe(self, load, probe_ids: list[int], probe_images: list | None,
                         trainer_probe_logprobs: torch.Tensor) -> float:
-        """Reload the weights (load(): reload_weights' keyword arguments), empty the caches computed
-        with the old ones, and return the engine's probe log-probs' max abs difference from the trainer's."""
-        self._call("weight sync", self.llm.collective_rpc, "reload_weights", timeout=self.rpc_timeout_s,
-                   kwargs=load())
+        """Reload the weights (load()), empty the caches computed with the old ones, and return
+        the engine's probe log-probs' max abs difference from the trainer's."""
+        load()
         if self._call("prefix cache reset", self.llm.reset_prefix_cache) is False:
             # vLLM refuses while a request holds KV blocks: generations would read the old weights' cache
             raise EngineError("weight sync: vLLM did not reset its prefix cache (a request still holds KV blocks)")
@@ -405,22 +449,6 @@ class Engine:
             raise EngineError(f"weight sync probe: the engine scored {len(engine_probe)} tokens, the trainer "
                               f"{len(trainer_probe_logprobs)} (image tokens expanded differently?)")
         return (engine_probe - trainer_probe_logprobs.detach().float().cpu()).abs().max().item()
-
-    def _write_sync_file(self, state_dict: dict):
-        from safetensors.torch import save_file
-        if self._sync_dir is None:
-            base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            self._sync_dir = tempfile.mkdtemp(prefix="sdpo-sync-", dir=base)
-        tensors, seen = {}, set()
-        for name, tensor in state_dict.items():
-            tensor = tensor.detach().to("cpu").contiguous()
-            if tensor.data_ptr() in seen:  # tied weights share storage; safetensors refuses that
-                tensor = tensor.clone()
-            seen.add(tensor.data_ptr())
-            tensors[name] = tensor
-        path = os.path.join(self._sync_dir, "model.safetensors")
-        save_file(tensors, path + ".tmp")
-        os.replace(path + ".tmp", path)
 
     def close(self):
         if self._sync_dir:
@@ -580,15 +608,21 @@ def _quiet_engine_processes() -> dict:
     return env
 
 
+def _importable(env: dict, directory: str):
+    """Make directory's modules importable in every process vLLM starts."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else paths
+    if directory not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([directory] + paths)
+
+
 def _use_plugins(env: dict):
     """Make vllm_plugins/ visible to this process and to every process vLLM starts."""
     if PLUGIN_DIR not in sys.path:
         sys.path.insert(0, PLUGIN_DIR)
     import no_torchvision
     no_torchvision.apply()
-    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if PLUGIN_DIR not in paths:
-        env["PYTHONPATH"] = os.pathsep.join([PLUGIN_DIR] + [p for p in paths if p])
+    _importable(env, PLUGIN_DIR)
 
 
 # ----------------------------------------------------------------------------------------
@@ -630,16 +664,6 @@ def rank0_call(d: Dist, fn, share: bool = True):
     if error is not None:
         raise error
     return result
-
-
-def full_state_dict(model: CausalLM, world: int) -> dict:
-    """The whole HF-named state dict on rank 0 (every rank calls this), float32 on CPU."""
-    if world == 1:
-        state = {k: v.detach() for k, v in model.hf.state_dict().items()}
-    else:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        state = get_model_state_dict(model.hf, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return engine_state(model.hf, state)  # the engine's names, and a tied lm_head.weight
 
 
 def generate_and_score(engine, tokenizer, rows, cfg: Config, seed: int, n: int, temperature: float,
@@ -696,7 +720,7 @@ def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
     return rank0_call(d, lambda: Engine(
         model_dir, placement=cfg.rollout.placement, dtype=engine_dtype(cfg, d.device), seed=cfg.train.seed,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, max_model_len=cfg.rollout.max_model_len,
-        own_process=own, rpc_timeout_s=cfg.rollout.rpc_timeout_s, cpu_cores=cores,
+        own_process=own, rpc_timeout_s=cfg.rollout.rpc_timeout_s, cpu_cores=cores, sync_addr=cfg.rollout.sync_addr,
         kv_cache_tokens=kv_cache_tokens(cfg, model_dir, tokenizer, rows, d.device)), share=False)
 
 
@@ -745,31 +769,6 @@ def share_cores(cfg: Config, engine, models: objectives.Models):
             module.register_forward_pre_hook(switch)
 
 
-def sync_engine(cfg: Config, engine, policy, tokenizer, d: Dist, version: int) -> dict:
-    """Load the policy's weights (the version-th) into the engine and prove it: the engine's
-    log-probs of a fixed probe must match the trainer's within --rollout.sync_tol (rollout.py).
-    Also times the waits: the trainer's for a batch the engine generates ahead, and the
-    engine's, idle since its last generation."""
-    t0 = time.perf_counter()
-    state = full_state_dict(policy, d.world)
-    # a vision-language model's probe holds a picture: a sync that missed the vision tower fails it
-    probe, pictures = image_probe(tokenizer) if policy.vision is not None else (probe_ids(tokenizer), None)
-    scored = policy.vision.expand(probe, pictures)[0] if pictures else probe  # the engine scores the expanded ids
-    packed = objectives.pack(policy, [scored], [len(scored) - 1], pad_token_id(tokenizer), d.device,
-                             images=[pictures] if pictures else None)
-    with torch.no_grad():
-        probe_lp = objectives.forward(policy, packed, lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(
-            h, w, packed.targets)[0])
-    reshard(policy)
-    tol = cfg.rollout.sync_tol or (1e-3 if engine_dtype(cfg, d.device) == "float32" else 1.0)
-    result = rank0_call(d, lambda: engine.update_weights(state, probe, probe_lp.cpu(), tol, version,
-                                                                 probe_images=pictures))
-    return {"sync/seconds": time.perf_counter() - t0 - result.waited_s, "sync/probe_max_abs_diff": result.probe_max_abs_diff,
-            "time/wait_rollout_s": result.waited_s, "time/wait_sync_s": result.engine_idle_s,
-            "sync/reloads": result.reloads,
-            "sync/megabytes": sum(t.numel() * t.element_size() for t in (state or {}).values()) / 1e6}
-
-
 def kv_cache_tokens(cfg: Config, model_dir: str, tokenizer, rows: list, device) -> int:
     """Tokens of KV cache the run's generations need at once: vLLM runs at most
     MAX_CONCURRENT_SEQS sequences together, each a prompt and its response. Teacher-gap
@@ -796,3 +795,10 @@ CPU_KV_CACHE_BYTES = 1 << 30
 def engine_dtype(cfg: Config, device) -> str:
     # Never vLLM's "auto": it silently runs a float32 checkpoint in half precision.
     return cfg.rollout.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+
+
+def __getattr__(name: str):
+    """The weight sync's pieces moved to sync.py (rollout.full_state_dict etc. still work)."""
+    if name in ("full_state_dict", "engine_state", "sync_engine"):
+        return getattr(sync, name)
+    raise AttributeError(f"module 'rollout' has no attribute {name!r}")

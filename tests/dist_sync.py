@@ -80,6 +80,33 @@ def main(out_dir, model_dir, d):
     if rank == 0:
         result["engine_after"] = engine.score([probe])[0]
 
+    # Two more steps, each synced through the weight group (sync.py), then the same weights
+    # through the file: the engine must score every sequence identically after either, and hold
+    # the same parameters. In the second step the engine generates in the background meanwhile,
+    # as with --train.off_policy_steps 1 (the sync waits for it).
+    import sync
+    cfg = run.Config()
+    cfg.rollout.sync_bucket_mb = 1  # several buckets, and tensors larger than one
+    sequences = [probe, probe[: len(probe) // 2], list(reversed(probe))]
+    result["group_vs_file"] = []
+    for step in range(2):
+        loss = policy(packed, lambda h, w: -losses.token_logprobs(h @ w.T, packed.targets).mean())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if rank == 0 and step == 1:
+            engine.in_background(lambda: engine.generate([probe], n=4, temperature=1.0, max_tokens=16, seed=step),
+                                 "generate ahead")
+        row = {}
+        for how in ("group", "file"):
+            cfg.rollout.sync = how
+            metrics = sync.sync_engine(cfg, engine, policy, tokenizer, d, version=2 + step)
+            row[how] = {"megabytes": metrics["sync/megabytes"], "probe_max_abs_diff": metrics["sync/probe_max_abs_diff"]}
+            if rank == 0:
+                row[how]["scores"] = engine.score(sequences)
+                row[how]["params"] = engine.llm.collective_rpc("parameter_digest")[0]
+        result["group_vs_file"].append(row)
+
     # The trainers' process group still works with the engine (and its process) alive.
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)

@@ -453,3 +453,17 @@ def test_two_rank_torchrun_sync(tiny_dir, tmp_path):
     assert max_diff(r0["engine_after"], r0["engine_before"]) > 0.05
     # the trainers' all-reduce still works after the engine started: 1 + 2
     assert r0["all_reduce"] == r1["all_reduce"] == 3.0
+    # two more steps, each synced through the weight group and then through the file (the second
+    # while the engine generates in the background): the engine scores every sequence and holds
+    # every parameter identically after either, and the group moves no more bytes than the file
+    previous = None
+    for row in r0["group_vs_file"]:
+        group, file = row["group"], row["file"]
+        assert group["probe_max_abs_diff"] < TOL and file["probe_max_abs_diff"] < TOL
+        assert group["scores"] == file["scores"]
+        assert group["params"] == file["params"] and len(group["params"]) > 10
+        assert previous is None or group["scores"] != previous  # each step changed the weights
+        previous = group["scores"]
+        assert 0 < group["megabytes"] <= file["megabytes"]
+    assert [row["group"]["megabytes"] for row in r1["group_vs_file"]] == \
+        [row["group"]["megabytes"] for row in r0["group_vs_file"]]
