@@ -20,7 +20,8 @@ from config import Config
 from data import PathError
 from objectives import Dist
 from policy import Trainer
-from rollout import full_state_dict, rank0_call
+from rollout import rank0_call
+from sync import full_state_dict
 
 # What a run writes into its out_dir that a second run there would mix with its own
 RUN_RECORDS = ("metrics.jsonl", "samples.jsonl", "final", "eval_rows.jsonl")

@@ -795,10 +795,3 @@ CPU_KV_CACHE_BYTES = 1 << 30
 def engine_dtype(cfg: Config, device) -> str:
     # Never vLLM's "auto": it silently runs a float32 checkpoint in half precision.
     return cfg.rollout.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-
-
-def __getattr__(name: str):
-    """The weight sync's pieces moved to sync.py (rollout.full_state_dict etc. still work)."""
-    if name in ("full_state_dict", "engine_state", "sync_engine"):
-        return getattr(sync, name)
-    raise AttributeError(f"module 'rollout' has no attribute {name!r}")

@@ -28,7 +28,8 @@ from evaluate import baseline_evaluation, evaluate, evaluate_only, evaluate_star
 from logger import Logger, step_time
 from objectives import Dist
 from policy import Trainer, build_trainer, end_distributed, load_tokenizer, pad_token_id, setup_distributed
-from rollout import generate_and_score, rank0_call, share_cores, start_engine, sync_engine
+from rollout import generate_and_score, rank0_call, share_cores, start_engine
+from sync import sync_engine
 from update import update_policy
 from warm_start import (gad_teacher_config, sft_rollouts, target_reached, teacher_data, tiny_model_dir,
                         warm_start_checks, warm_start_config, warm_start_estimates)

@@ -51,7 +51,7 @@ except ImportError:
     sys.modules["tyro"] = types.SimpleNamespace(conf=types.SimpleNamespace(arg=lambda **kwargs: None))
 import policy  # noqa: E402
 from config import Config  # noqa: E402
-from gpu_update import model_config  # noqa: E402
+from gpu_update import add_model_args, model_config  # noqa: E402
 from teacher import full_tensor  # noqa: E402
 
 GB = 1e9
@@ -59,13 +59,7 @@ GB = 1e9
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=1536)
-    p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=8960)
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--untied", action="store_true", help="a separate LM head (Qwen2.5-7B's)")
+    add_model_args(p, "Qwen2.5-1.5B", hidden=1536, layers=28, heads=12, intermediate=8960)
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3, help="timed packs and copies")
     p.add_argument("--tiny", action="store_true")

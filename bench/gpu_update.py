@@ -79,16 +79,21 @@ from update import rank_micro_batches  # noqa: E402
 QWEN_PAD = 151643  # Qwen2's <|endoftext|>
 
 
+def add_model_args(p, name: str, hidden: int, layers: int, heads: int, intermediate: int, kv_heads: int = 2):
+    """The random model's shape flags (a Qwen2Config; model_config reads them), defaults: name's."""
+    m = p.add_argument_group(f"model (Qwen2Config; defaults: {name})")
+    m.add_argument("--hidden", type=int, default=hidden)
+    m.add_argument("--layers", type=int, default=layers)
+    m.add_argument("--heads", type=int, default=heads)
+    m.add_argument("--kv-heads", type=int, default=kv_heads)
+    m.add_argument("--intermediate", type=int, default=intermediate)
+    m.add_argument("--vocab", type=int, default=151936)
+    m.add_argument("--untied", action="store_true", help="a separate LM head (not tied to the embeddings)")
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    m = p.add_argument_group("model (Qwen2Config; defaults: Qwen2.5-0.5B)")
-    m.add_argument("--hidden", type=int, default=896)
-    m.add_argument("--layers", type=int, default=24)
-    m.add_argument("--heads", type=int, default=14)
-    m.add_argument("--kv-heads", type=int, default=2)
-    m.add_argument("--intermediate", type=int, default=4864)
-    m.add_argument("--vocab", type=int, default=151936)
-    m.add_argument("--untied", action="store_true", help="separate LM head (Qwen2.5-0.5B ties it to the embeddings)")
+    add_model_args(p, "Qwen2.5-0.5B", hidden=896, layers=24, heads=14, intermediate=4864)
     b = p.add_argument_group("rollout batch")
     b.add_argument("--prompts", type=int, default=8, help="prompts per step")
     b.add_argument("--n", type=int, default=8, help="samples per prompt")

@@ -33,7 +33,7 @@ def main(out_dir, model_dir, d):
     import rollout
     import run
     from policy import load_policy
-    from rollout import full_state_dict
+    from sync import full_state_dict
 
     rank, world, device = d.rank, d.world, d.device
     result = {"rank": rank, "world": world}

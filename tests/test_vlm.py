@@ -477,6 +477,7 @@ def test_engine_scores_image_sequences_like_the_trainer(engine, hf, image_prompt
 @pytest.mark.slow
 def test_weight_sync_of_the_vision_tower_is_proven_by_the_image_probe(engine, hf, image_prompts, vlm_tokenizer):
     import rollout
+    import sync
     ids, pictures = rollout.image_probe(vlm_tokenizer)
     inputs = image_prompts(ids, pictures)
     text_probe = rollout.probe_ids(vlm_tokenizer)
@@ -493,7 +494,7 @@ def test_weight_sync_of_the_vision_tower_is_proven_by_the_image_probe(engine, hf
     assert (target - before).abs().max() > 1e-3
 
     def state_of(model):
-        return rollout.engine_state(model, {k: v.detach() for k, v in model.state_dict().items()})
+        return sync.engine_state(model, {k: v.detach() for k, v in model.state_dict().items()})
 
     assert engine.expected_keys == set(state_of(new))
     assert any(k.startswith("visual.") for k in engine.expected_keys)
