@@ -3,8 +3,9 @@
 
 The flags' defaults are the pretrained-model preset: what a run on a model you bring
 (`--model.path DIR`) should start from (the comments say where each value comes from). The
-tiny model the project builds needs other values; they are recipes, small files of flag values
-in recipes/ (tiny.py, strops.py, quiz.py), applied by name and printed at the start. Flags
+tiny model the project builds needs other values; they are recipes, small tables of flag values
+(recipes/tiny.py, and a task's own in its file: tasks/strops.py, tasks/quiz.py, tasks/shapes.py),
+applied by name and printed at the start. Flags
 given on the command line always win over the recipe. The resolved config (the recipe's name
 included) goes to <out_dir>/config.json and the wandb run.
 """
@@ -22,6 +23,7 @@ import feedback
 import losses
 import objectives
 import sdpo
+import tasks
 from data import FlagError
 
 RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
@@ -38,7 +40,7 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig(data.TaskConfig):
+class DataConfig(tasks.TaskConfig):
     task: str = "strops"  # a synthetic task (arith, strops) or a .jsonl/.parquet file
     eval_path: str = ""  # held-out file (default: the task's test split / a hash split of the file)
     fields: str = ""  # column mapping for files, e.g. prompt=question,answer=solution
@@ -116,7 +118,7 @@ class SdpoArgs(sdpo.SdpoConfig):
     topk: int = 100
     add_tail: bool = True
     # 0 forward KL, 1 reverse KL, between: generalized JSD. 0.5: the paper's choice without rich
-    # feedback (Table 12); reverse KL (1.0) is its choice with rich feedback (recipes/quiz.py)
+    # feedback (Table 12); reverse KL (1.0) is its choice with rich feedback (tasks/quiz.py)
     alpha: float = 0.5
     is_clip: float = 2.0
     chunked: bool = True  # top-K loss from hidden states, never materialising [tokens, vocab]
@@ -227,7 +229,7 @@ class TrainConfig:
     warm_start_check_every: int = 10
     # The first this many warm-start steps show every prompt as a teacher context (the shares
     # above, rescaled to sum to 1): copying what a context shows forms before the facts are
-    # learnt, instead of in a race with them (recipes/quiz.py)
+    # learnt, instead of in a race with them (tasks/quiz.py)
     warm_start_context_steps: int = 0
     warm_start_batch: int = 32
     warm_start_lr: float = 2e-3
@@ -278,7 +280,7 @@ class LogConfig:
 @dataclass
 class Config:
     # the values on top of the flags' defaults: auto picks pretrained for a --model.path the project
-    # did not build, else the task's recipes/<task>.py, else recipes/tiny.py; a name picks one (config.recipe_name)
+    # did not build, else the task's own (tasks/<task>.py), else recipes/tiny.py; a name picks one (config.recipe_name)
     recipe: str = "auto"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -303,7 +305,7 @@ class Config:
 
 
 def parse_config(argv=None) -> Config:
-    """Flags -> Config: the recipe's values (recipes/) on the flags' defaults, then the command
+    """Flags -> Config: the recipe's values (recipe_flags) on the flags' defaults, then the command
     line on top. Booleans take a value (--sdpo.add_tail=False), as sweep agents pass them.
     Every value is resolved here and checked (check_config) before any work starts. `--help`
     comes after the recipe is chosen, so it shows the values this run uses."""
@@ -314,7 +316,7 @@ def parse_config(argv=None) -> Config:
     asked = parse_flags(Config(), [a for a in argv if a not in ("-h", "--help")])
     name = recipe_name(asked)
     flags = recipe_flags(name, asked.algo.name)
-    cfg = parse_flags(apply_flags(Config(), flags, f"recipes/{name}.py"), argv, help_text(name, flags))
+    cfg = parse_flags(apply_flags(Config(), flags, recipe_source(name)), argv, help_text(name, flags))
     cfg.recipe = name
     check_config(cfg)
     return cfg
@@ -369,14 +371,20 @@ def debugging(argv=None) -> bool:
 def help_text(name: str, flags: dict) -> str:
     """`--help`'s heading: which recipe the defaults below include, and how to see another's."""
     source = "the flags' own defaults, for a pretrained model" if name == "pretrained" else \
-        f"recipes/{name}.py: " + " ".join(f"--{k}={v}" for k, v in flags.items())
+        f"{recipe_source(name)}: " + " ".join(f"--{k}={v}" for k, v in flags.items())
     return (f"Train a causal LM with SDPO, GRPO, GSPO, the hybrid, DPO/SPIN, GAD or SFT (README). The defaults "
             f"below are this run's: recipe {name} ({source}). Other flags choose another recipe: --model.path, "
             f"--data.task, --algo, --recipe NAME (pretrained, {', '.join(recipe_names())}).")
 
 
 def recipe_names() -> list[str]:
-    return sorted(f[:-3] for f in os.listdir(RECIPES_DIR) if f.endswith(".py"))
+    """The recipes --recipe takes besides pretrained: the tiny model's and each task's own."""
+    return sorted(["tiny", *(name for name in tasks.TASKS if tasks.recipe(name, "") is not None)])
+
+
+def recipe_source(name: str) -> str:
+    """Where the recipe called name is written."""
+    return "recipes/tiny.py" if name == "tiny" else f"tasks/{name}.py"
 
 
 def check_config(cfg: Config):
@@ -406,9 +414,7 @@ def check_config(cfg: Config):
     if c.train.mini_batches > units:
         raise FlagError(f"--train.mini_batches={c.train.mini_batches}: more optimizer steps than the {units} "
                          f"{'prompts' if units == c.train.prompts_per_step else 'samples'} of a step")
-    data.check_kinds(c.data.shapes_questions, "shapes_questions", data.SHAPES_QUESTION_KINDS)
-    if c.data.shapes_warm_start_questions:  # else it would fail only once the warm start draws its rows
-        data.check_kinds(c.data.shapes_warm_start_questions, "shapes_warm_start_questions", data.SHAPES_QUESTION_KINDS)
+    tasks.check_flags(c.data)  # else a task's flag would fail only once rows are drawn
     if c.data.reward:
         try:
             feedback.get_reward_fn(c.data.reward)
@@ -420,30 +426,28 @@ def check_config(cfg: Config):
 
 def recipe_name(cfg: Config) -> str:
     """--recipe, or for auto: pretrained for a --model.path the project did not build (the flags'
-    defaults), else the task's own recipes/<task>.py where there is one, else tiny. A tiny model
+    defaults), else the task's own (tasks/<task>.py) where it has one, else tiny. A tiny model
     passed as --model.path (a warm start the benches reuse, a run's final model) keeps its task's."""
     if cfg.recipe != "auto":
-        if cfg.recipe != "pretrained" and not os.path.exists(os.path.join(RECIPES_DIR, f"{cfg.recipe}.py")):
-            raise FlagError(f"--recipe {cfg.recipe}: no recipes/{cfg.recipe}.py (known: pretrained, "
-                            f"{', '.join(recipe_names())})")
+        if cfg.recipe != "pretrained" and cfg.recipe not in recipe_names():
+            raise FlagError(f"--recipe {cfg.recipe}: no such recipe (known: pretrained, {', '.join(recipe_names())})")
         return cfg.recipe
     if cfg.model.path and not data.built_here(cfg.model.path):
         return "pretrained"
-    own = cfg.data.task in data.TASKS and os.path.exists(os.path.join(RECIPES_DIR, f"{cfg.data.task}.py"))
-    return cfg.data.task if own else "tiny"
+    return cfg.data.task if tasks.recipe(cfg.data.task, "") is not None else "tiny"
 
 
 def recipe_flags(name: str, algo: str) -> dict:
-    """A recipe's flag values: its BASE recipe's, then its FLAGS, then BY_ALGO[algo]."""
+    """A recipe's flag values: a task's are the tiny model's, then its RECIPE, then its
+    RECIPE_BY_ALGO[algo] (tasks.recipe)."""
     if name == "pretrained":
         return {}
-    values = {}
-    spec = importlib.util.spec_from_file_location(f"recipes.{name}", os.path.join(RECIPES_DIR, f"{name}.py"))
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    if getattr(recipe, "BASE", None):
-        values.update(recipe_flags(recipe.BASE, algo))
-    return {**values, **recipe.FLAGS, **getattr(recipe, "BY_ALGO", {}).get(algo, {})}
+    if name == "tiny":
+        spec = importlib.util.spec_from_file_location("recipes.tiny", os.path.join(RECIPES_DIR, "tiny.py"))
+        recipe = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(recipe)
+        return dict(recipe.FLAGS)
+    return {**recipe_flags("tiny", algo), **tasks.recipe(name, algo)}
 
 
 def apply_flags(cfg: Config, flags: dict, source: str) -> Config:
@@ -460,7 +464,7 @@ def apply_flags(cfg: Config, flags: dict, source: str) -> Config:
 def describe(cfg: Config) -> str:
     """The recipe and the values that decide a run's updates, as the run prints them."""
     flags = recipe_flags(cfg.recipe, cfg.algo.name)
-    source = "the flags' defaults, for a pretrained model" if cfg.recipe == "pretrained" else f"recipes/{cfg.recipe}.py"
+    source = "the flags' defaults, for a pretrained model" if cfg.recipe == "pretrained" else recipe_source(cfg.recipe)
     names = list(flags) + [n for n in HEADLINE if n not in flags]
     return f"recipe: {cfg.recipe} ({source}): " + " ".join(f"--{n}={flag_value(cfg, n)}" for n in names)
 

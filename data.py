@@ -1,4 +1,6 @@
-"""Datasets, synthetic tasks, tokenisation, and the tiny default model built from them.
+"""Rows: user data files and their checks, tokenisation and packing, the tiny models, step order.
+
+The synthetic tasks' rows come from tasks/ (data.task_rows is tasks.task_rows).
 
 A *row* is a plain dict, the one currency between data, rewards and the training loop:
     uid              stable id; groups rollouts of the same prompt (SDPO demonstrations)
@@ -10,7 +12,7 @@ A *row* is a plain dict, the one currency between data, rewards and the training
                      (see _check_test and feedback/code/__init__.py), or None
     teacher_response a black-box teacher's response (GAD) or None
     reference        a reference response for SFT (synthetic tasks) or None
-    reward           name of the reward function in feedback/ ("math", "strops", ...)
+    reward           name of the reward function: feedback/'s ("math", "code", "mc") or a task's (tasks/)
     source           "file, row N" for error messages
 """
 import functools
@@ -19,336 +21,21 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
-import string
 import sys
 import tempfile
 import zlib
 from dataclasses import dataclass
 
-from feedback.quiz import QUIZ_FEEDBACK, QUIZ_OPS
-from feedback.shapes import PICTURE_QUIZ_INSTRUCTION, SCENE_QUESTION
-from feedback.strops import OPS, run_program
-
-# ----------------------------------------------------------------------------------------
-# Synthetic tasks. Each yields train and held-out rows; the split is a hash of the row's
-# content, so a row never moves between splits when n or the seed changes.
-
-
-@dataclass
-class TaskConfig:
-    """Difficulty of the synthetic tasks (all flags under --data.*)."""
-    arith_digits: int = 2  # operand digits of the arithmetic task
-    arith_ops: str = "+-"  # operators drawn from
-    strops_max_ops: int = 1  # program length 1..max_ops (1: a single op, within the tiny model's reach)
-    strops_str_len: int = 5  # input string length
-    strops_shown: int = 2  # examples shown in the prompt
-    strops_hidden: int = 2  # extra test cases only the checker sees
-    strops_alphabet: str = "abcdefgh"
-    shapes_max: int = 3  # shapes in a picture: 1..max (at most shapes_grid**2)
-    shapes_grid: int = 2  # shapes sit in the cells of a grid x grid layout (2: four quadrants)
-    shapes_questions: str = "count,colour,position"  # question kinds drawn from (data.SHAPES_QUESTION_KINDS)
-    # the warm start's question kinds ("": shapes_questions): it may teach seeing on kinds the RL run does not ask
-    shapes_warm_start_questions: str = ""
-    shapes_quiz_questions: int = 3  # questions of a picture quiz (the "quiz" kind), all about one picture
-    shapes_quiz_kinds: str = "count,colour,position"  # the kinds of question a picture quiz draws from
-    shapes_colours: str = "red,green,blue,yellow"
-    shapes_image_size: int = 112  # pixels a side (112: 16 image tokens for Qwen2-VL's 28-pixel units)
-    quiz_questions: int = 3  # questions per quiz; all must be right
-    # operands drawn from 2..quiz_max. 20: 722 facts, more than the tiny model learns in its warm
-    # start, so lines the feedback marks right are worth copying. At 9 it learns all 128 and
-    # solves every quiz: no group fails, nothing to teach (docs/LOG.md).
-    quiz_max: int = 20
-    quiz_ops: str = "+*"  # operators drawn from (+ - *)
-    quiz_feedback: str = QUIZ_FEEDBACK[0]  # a wrong line's feedback: "marks" (b:3*4 is wrong.) or "values" (b:3*4 is not 13.)
-    heldout_percent: int = 10  # share of the content hash space that is held out
-
-
-ARITH_INSTRUCTION = "Give the final answer as 'Answer: <number>'."
-QUIZ_INSTRUCTION = "Solve each line in order, one per line: 'label:question=result'."
-# The valid ops are named in the prompt: a model not trained on the task cannot guess them.
-STROPS_INSTRUCTION = ("Write the program that maps each input to its output, using the ops "
-                      + ", ".join(OPS) + ". Reply with 'Program: op | op'.")
-
-
-def split_of(key: str, heldout_percent: int) -> str:
-    bucket = int(hashlib.sha1(key.encode()).hexdigest()[:8], 16) % 100
-    return "test" if bucket < heldout_percent else "train"
-
-
-def _arith_row(rng: random.Random, cfg: TaskConfig) -> dict:
-    lo, hi = 10 ** (cfg.arith_digits - 1) if cfg.arith_digits > 1 else 0, 10 ** cfg.arith_digits - 1
-    a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(cfg.arith_ops)
-    value = {"+": a + b, "-": a - b, "*": a * b}[op]
-    question = f"What is {a} {op} {b}?"
-    return {
-        "uid": f"arith:{a}{op}{b}",
-        "messages": [{"role": "user", "content": f"{question} {ARITH_INSTRUCTION}"}],
-        "answer": str(value),
-        "tests": None,
-        "reference": f"{a} {op} {b} = {value}\nAnswer: {value}",
-        "reward": "math",
-    }
-
-
-def _strops_row(rng: random.Random, cfg: TaskConfig) -> dict:
-    names = sorted(OPS)
-    program = [rng.choice(names) for _ in range(rng.randint(1, cfg.strops_max_ops))]
-    # Distinct characters make most ops observable; sort/dedup still differ on repeats.
-    cases = []
-    while len(cases) < cfg.strops_shown + cfg.strops_hidden:
-        s = "".join(rng.choice(cfg.strops_alphabet) for _ in range(cfg.strops_str_len))
-        if s not in [c["input"] for c in cases]:
-            cases.append({"input": s, "output": run_program(program, s)})
-    shown = "\n".join(f"{c['input']} -> {c['output']}" for c in cases[: cfg.strops_shown])
-    text = " | ".join(program)
-    return {
-        "uid": "strops:" + text + ":" + ",".join(c["input"] for c in cases),
-        "messages": [{"role": "user", "content": f"{shown}\n{STROPS_INSTRUCTION}"}],
-        "answer": text,
-        "tests": cases,
-        "reference": f"Program: {text}",
-        "reward": "strops",
-    }
-
-
-SHAPES_INSTRUCTION = "Reply with 'Answer: <answer>'."
-SHAPE_KINDS = ("circle", "square", "triangle")
-
-
-def grid_positions(grid: int) -> list[str]:
-    """Names of the cells of a grid x grid picture, row by row ("top left", ..., "bottom right")."""
-    rows = {1: ["middle"], 2: ["top", "bottom"], 3: ["top", "middle", "bottom"]}
-    cols = {1: ["centre"], 2: ["left", "right"], 3: ["left", "centre", "right"]}
-    if grid not in rows:
-        raise FlagError(f"--data.shapes_grid={grid}: must be 1, 2 or 3")
-    return [f"{r} {c}" if grid > 1 else "centre" for r in rows[grid] for c in cols[grid]]
-
-
-def draw_shapes(shapes: list[dict], size: int, grid: int):
-    """The picture of a scene: each shape {"kind", "colour", "cell", "scale", "dx", "dy"} drawn in
-    its grid cell on a white background (PIL, RGB)."""
-    from PIL import Image, ImageDraw
-    image = Image.new("RGB", (size, size), "white")
-    draw, cell = ImageDraw.Draw(image), size / grid
-    for s in shapes:
-        r, c = divmod(s["cell"], grid)
-        half = cell * s["scale"] / 2
-        cx, cy = (c + 0.5 + s["dx"]) * cell, (r + 0.5 + s["dy"]) * cell
-        box = [cx - half, cy - half, cx + half, cy + half]
-        if s["kind"] == "circle":
-            draw.ellipse(box, fill=s["colour"])
-        elif s["kind"] == "square":
-            draw.rectangle(box, fill=s["colour"])
-        else:
-            draw.polygon([(cx, cy - half), (cx - half, cy + half), (cx + half, cy + half)], fill=s["colour"])
-    return image
-
-
-# scene: every shape in reading order, as "red circle top left, blue square bottom right" (a
-# dense description: each picture teaches colour, kind and place at once). quiz: several count,
-# colour and position questions about one picture, answered one per line, all of which must be
-# right; its feedback marks each line right or wrong (feedback/shapes.py), as the text quiz's does.
-SHAPES_QUESTION_KINDS = ("count", "colour", "position", "scene", "quiz")
-
-
-def check_kinds(value: str, flag: str, known) -> list[str]:
-    """The kinds a comma-separated flag value lists; a ValueError naming the flag if one is unknown."""
-    kinds = value.split(",")
-    if unknown := set(kinds) - set(known):
-        raise FlagError(f"--data.{flag}={value}: unknown kinds {sorted(unknown)}; use any of {', '.join(known)}")
-    return kinds
-
-
-def _shapes_row(rng: random.Random, cfg: TaskConfig) -> dict:
-    positions, colours = grid_positions(cfg.shapes_grid), cfg.shapes_colours.split(",")
-    kinds_asked = check_kinds(cfg.shapes_questions, "shapes_questions", SHAPES_QUESTION_KINDS)
-    if not 1 <= cfg.shapes_max <= len(positions):
-        raise FlagError(f"--data.shapes_max={cfg.shapes_max}: must be 1..{len(positions)} for a "
-                        f"{cfg.shapes_grid}x{cfg.shapes_grid} grid")
-    n = rng.randint(1, cfg.shapes_max)
-    shapes = [{"kind": rng.choice(SHAPE_KINDS), "colour": rng.choice(colours), "cell": cell,
-               "scale": rng.choice((0.5, 0.6, 0.7)), "dx": rng.choice((-0.1, 0.0, 0.1)), "dy": rng.choice((-0.1, 0.0, 0.1))}
-              for cell in sorted(rng.sample(range(len(positions)), n))]
-    # Ask only what the picture answers unambiguously: a colour of a kind that occurs once, the
-    # position of a colour and kind that occur once.
-    once = lambda key: [s for s in shapes if sum(key(t) == key(s) for t in shapes) == 1]
-    options = [k for k in kinds_asked if k in ("count", "scene", "quiz") or
-               once(lambda s: s["kind"] if k == "colour" else (s["colour"], s["kind"]))]
-    kind = rng.choice(options or ["count"])
-    count = ("How many shapes are in the picture?", str(n))
-    colour = lambda s: (f"What colour is the {s['kind']}?", s["colour"])
-    position = lambda s: (f"Where is the {s['colour']} {s['kind']}?", positions[s["cell"]])
-    tests = None
-    if kind == "count":
-        question, answer = count
-    elif kind == "scene":
-        question = SCENE_QUESTION
-        answer = ", ".join(f"{s['colour']} {s['kind']} {positions[s['cell']]}" for s in shapes)
-    elif kind == "colour":
-        question, answer = colour(rng.choice(once(lambda s: s["kind"])))
-    elif kind == "position":
-        question, answer = position(rng.choice(once(lambda s: (s["colour"], s["kind"]))))
-    else:
-        if not 1 <= cfg.shapes_quiz_questions <= 26:
-            raise FlagError(f"--data.shapes_quiz_questions={cfg.shapes_quiz_questions}: questions are labelled "
-                             f"a-z, so 1 to 26")
-        quiz_kinds = cfg.shapes_quiz_kinds.split(",")
-        if unknown := set(quiz_kinds) - {"count", "colour", "position"}:
-            raise FlagError(f"--data.shapes_quiz_kinds: unknown kinds {sorted(unknown)}; use count, colour, position")
-        # every question the picture answers unambiguously, in a fixed order (count, colours, positions)
-        pool = [count] * ("count" in quiz_kinds) + \
-            [colour(s) for s in once(lambda s: s["kind"]) if "colour" in quiz_kinds] + \
-            [position(s) for s in once(lambda s: (s["colour"], s["kind"])) if "position" in quiz_kinds] or [count]
-        asked = sorted(rng.sample(range(len(pool)), min(cfg.shapes_quiz_questions, len(pool))))
-        tests = [{"input": f"{label}: {pool[i][0]}", "output": pool[i][1]}
-                 for label, i in zip(string.ascii_lowercase, asked)]
-        question = "\n".join(t["input"] for t in tests) + "\n" + PICTURE_QUIZ_INSTRUCTION
-        answer = "\n".join(f"{t['input'][0]}: {t['output']}" for t in tests)
-    scene = ";".join(f"{s['colour']} {s['kind']}@{s['cell']}x{s['scale']}{s['dx']:+}{s['dy']:+}" for s in shapes)
-    return {
-        "uid": f"shapes:{scene}:{question}",
-        "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question if tests else
-                                                                      f"{question} {SHAPES_INSTRUCTION}"}]}],
-        "images": [draw_shapes(shapes, cfg.shapes_image_size, cfg.shapes_grid)],
-        "answer": answer,
-        "tests": tests,  # a picture quiz's questions and their answers, else None
-        "reference": answer if tests else f"Answer: {answer}",
-        "reward": "shapes",
-    }
-
-
-def _quiz_row(rng: random.Random, cfg: TaskConfig) -> dict:
-    if not 1 <= cfg.quiz_questions <= 26:
-        raise FlagError(f"--data.quiz_questions={cfg.quiz_questions}: questions are labelled a-z, so 1 to 26")
-    if cfg.quiz_feedback not in QUIZ_FEEDBACK:
-        raise FlagError(f"--data.quiz_feedback={cfg.quiz_feedback!r}: choose from {QUIZ_FEEDBACK}")
-    questions = []
-    for label in string.ascii_lowercase[:cfg.quiz_questions]:
-        a, b, op = rng.randint(2, cfg.quiz_max), rng.randint(2, cfg.quiz_max), rng.choice(cfg.quiz_ops)
-        a, b = (max(a, b), min(a, b)) if op == "-" else (a, b)  # results stay non-negative
-        # The label lets a small model find its place: it copies the line after "c:" (induction).
-        questions.append({"input": f"{label}:{a}{op}{b}", "output": str(QUIZ_OPS[op](a, b))})
-    shown = "\n".join(q["input"] for q in questions)
-    return {
-        "uid": "quiz:" + ",".join(q["input"] for q in questions),
-        "messages": [{"role": "user", "content": f"{shown}\n{QUIZ_INSTRUCTION}"}],
-        "answer": ", ".join(q["output"] for q in questions),
-        "tests": questions,
-        "reference": "\n".join(f"{q['input']}={q['output']}" for q in questions),
-        "reward": "quiz",
-        "quiz_feedback": cfg.quiz_feedback,
-    }
-
-
-TASKS = {"arith": _arith_row, "strops": _strops_row, "quiz": _quiz_row, "shapes": _shapes_row}
-TEXT_TASKS = ("arith", "strops", "quiz")
-IMAGE_TASKS = ("shapes",)  # their default model is the tiny vision-language one
-
-
-def wrong_response(row: dict, rng: random.Random) -> str | None:
-    """A plausible wrong answer to a synthetic row (for warm-start examples with feedback)."""
-    if row["reward"] == "quiz":
-        return _wrong_quiz_answers(row, rng)
-    if row["reward"] == "strops":
-        while True:
-            program = " | ".join(rng.choice(sorted(OPS)) for _ in range(rng.randint(1, 2)))
-            if any(run_program(program.split(" | "), t["input"]) != t["output"] for t in row["tests"]):
-                return f"Program: {program}"
-    if row["reward"] == "shapes":
-        pools = [[str(k) for k in range(1, 5)], TaskConfig().shapes_colours.split(",")] + \
-            [grid_positions(g) for g in (2, 3)]
-        other = lambda truth: rng.choice([p for p in next((p for p in pools if truth in p), []) if p != truth]
-                                         or ["none"])
-        if not row.get("tests"):
-            return f"Answer: {other(row['answer'])}"
-        return "\n".join(f"{t['input'][0]}: {other(t['output']) if w else t['output']}"
-                         for t, w in zip(row["tests"], _wrong_lines(len(row["tests"]), rng)))
-    if row["reward"] == "math" and row.get("answer") is not None and row["answer"].lstrip("-").isdigit():
-        wrong = int(row["answer"]) + rng.choice([-10, -2, -1, 1, 2, 10])
-        return f"Answer: {wrong}"
-    return None
-
-
-def _wrong_lines(n: int, rng: random.Random) -> list[bool]:
-    """Which of a quiz's n lines a plausible wrong reply gets wrong: each with probability 1/3,
-    at least one."""
-    wrong = [rng.random() < 1 / 3 for _ in range(n)]
-    if not any(wrong):
-        wrong[rng.randrange(n)] = True
-    return wrong
-
-
-def _wrong_quiz_answers(row: dict, rng: random.Random) -> str:
-    """Each result wrong with probability 1/3 (at least one), by a slip a model makes: off by
-    one or two, or a neighbouring table entry (7*8 answered as 7*7 or 7*9)."""
-    tests = row["tests"]
-    wrong = _wrong_lines(len(tests), rng)
-    answers = []
-    for t, w in zip(tests, wrong):
-        value = int(t["output"])
-        if w:
-            a, op, b = re.search(r"(\d+)([-+*])(\d+)$", t["input"]).groups()
-            slips = [value + d for d in (-2, -1, 1, 2)] + [QUIZ_OPS[op](int(a), int(b) + d) for d in (-1, 1)]
-            value = rng.choice([s for s in slips if s != value and s >= 0] or [value + 1])
-        answers.append(f"{t['input']}={value}")
-    return "\n".join(answers)
-
-
-def task_rows(task: str, split: str, n: int, seed: int = 0, cfg: TaskConfig | None = None,
-              at_most: bool = False) -> list[dict]:
-    """n distinct rows of a synthetic task's split ("train" or "test"), deterministic in seed;
-    at_most: up to n, all there are where the split has fewer (the held-out rows)."""
-    if task not in TASKS:
-        raise FlagError(f"unknown task {task!r}; choose from {sorted(TASKS)}")
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    cfg = cfg or TaskConfig()
-    # The held-out split does not depend on the seed: every run evaluates on the same rows.
-    rng = random.Random(f"{task}-{split}-{seed if split == 'train' else 0}")
-    rows, seen = [], set()
-    for _ in range(200 * n + 1000):
-        row = TASKS[task](rng, cfg)
-        if row["uid"] in seen or split_of(row["uid"], cfg.heldout_percent) != split:
-            continue
-        seen.add(row["uid"])
-        rows.append({**row, "teacher_response": None, "source": f"task {task}, {split} row {len(rows)}"})
-        if len(rows) == n:
-            return rows
-    if at_most and rows:
-        return rows
-    raise DataError(f"task {task!r} has fewer than {n} distinct {split} rows at this difficulty; "
-                     f"got {len(rows)} (raise the difficulty or lower n)")
-
+from errors import DataError, FlagError, PathError, UserError  # noqa: F401 (callers raise them as data.*)
+from tasks import TASKS, TaskConfig, split_of, task_rows  # noqa: F401 (the tests and benches call data.task_rows)
+from tasks.strops import OPS
 
 # ----------------------------------------------------------------------------------------
 # User datasets: JSONL or Parquet, with a mapping from our field names to the file's columns.
 
 FIELDS = ("prompt", "answer", "tests", "teacher_response", "system", "uid", "images", "reward")
 IMAGE_PLACEHOLDER = "<image>"  # marks where an image of the `images` field goes in a string prompt (verl's geo3k)
-
-
-class UserError(Exception):
-    """A mistake in what the user gave (a flag, a data file, a model path, the out_dir, a
-    checkpoint, a reward's setup), with a message that names it and says what to do: the
-    command line prints the message alone and exits with exit_code (run.py, `--debug` shows the
-    traceback). A bug raises any other type and keeps its traceback."""
-    exit_code = 1
-
-
-class FlagError(UserError, ValueError):
-    """A flag's value that cannot work (exit status 2, as for a flag the parser rejects)."""
-    exit_code = 2
-
-
-class PathError(UserError, OSError):
-    """A path given that cannot serve: a missing model directory or checkpoint, an out_dir that
-    cannot be written, is full or holds an earlier run."""
-
-
-class DataError(UserError, ValueError):
-    """A data file, row or field that cannot be read as the run needs it."""
 
 
 def parse_field_map(spec: str) -> dict:
@@ -677,9 +364,9 @@ def _file_row(record: dict, path: str, row_no: int, mapping: dict, reward: str) 
     uid = column(record, mapping["uid"])
     reward = reward or column(record, mapping["reward"])  # --data.reward, else the row's own
     if not reward or not isinstance(reward, str):
-        from feedback import BUILTIN
+        from feedback import reward_names
         raise DataError(f"{where('reward')}: {'missing' if not reward else f'not a name: {reward!r}'}, and "
-                        f"--data.reward is not set: pass --data.reward {'|'.join(sorted(BUILTIN))}|"
+                        f"--data.reward is not set: pass --data.reward {'|'.join(reward_names())}|"
                         f"module:function|path/file.py:function, or give every row a reward name")
     return {
         "uid": str(uid) if uid is not None else f"{os.path.basename(path)}:{row_no}",
@@ -920,9 +607,10 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENIZER_TASKS = ("arith", "strops", "quiz")  # the tasks whose text the tokenizer is trained on
 # The source a tiny model's build runs: this file (the model, and the tasks' text its tokenizer is
-# trained on) and the task modules it imports. Their code is part of the cache key (source_hash).
-TINY_SOURCES = ("data.py", "feedback/__init__.py", "feedback/quiz.py", "feedback/shapes.py", "feedback/strops.py")
+# trained on) and the modules it imports (the tasks' generators). Their code is part of the cache key (source_hash).
+TINY_SOURCES = ("data.py", "errors.py", "feedback/__init__.py", "tasks/__init__.py", *(f"tasks/{name}.py" for name in TASKS))
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -971,10 +659,10 @@ def _tokenizer_corpus(seed: int) -> list[str]:
     """Text the tokenizer is trained on: prompts and answers of both tasks, and the SDPO
     reprompt and feedback vocabulary, so that teacher contexts tokenise compactly."""
     texts = []
-    # fixed: the tokenizer must not move with the task defaults (a new text task is new code here:
-    # the cache key, source_hash, builds a new tiny model)
+    # fixed: the tokenizer must not move with the task defaults, nor with a task added to the
+    # table (its text is tokenised byte by byte where BPE has no merges for it)
     corpus_tasks = TaskConfig(strops_max_ops=2, quiz_ops="+-*", quiz_max=12)
-    for task in TEXT_TASKS:
+    for task in TOKENIZER_TASKS:
         for split in ("train", "test"):
             for row in task_rows(task, split, 300 if split == "train" else 30, seed=seed, cfg=corpus_tasks):
                 texts += [m["content"] for m in row["messages"]] + [row["reference"]]

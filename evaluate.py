@@ -19,6 +19,7 @@ import feedback
 import chunked_head
 import objectives
 import sdpo
+import tasks
 from config import Config
 from logger import status
 from objectives import Dist
@@ -139,7 +140,7 @@ def teacher_context_ids(tokenizer, row: dict, kind: str, rng: random.Random, cfg
     when the task has no wrong-answer generator or the feedback is empty)."""
     if kind == "demonstration":
         return sdpo.teacher_prompt_ids(tokenizer, row["messages"], row["reference"], None, cfg.sdpo)
-    wrong = data.wrong_response(row, rng)
+    wrong = tasks.wrong_response(row, rng)
     if wrong is None:
         return None
     reward = feedback.score(reward_function(cfg, row), wrong, row, False)

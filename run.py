@@ -20,6 +20,7 @@ import torch
 
 import data
 import objectives
+import tasks
 from checkpoint import (check_out_dir, checkpoint_path, drop_empty_run_dirs, load_checkpoint, run_dir, save_checkpoint,
                         save_hf)
 from config import Config, debugging, describe, parse_config
@@ -318,7 +319,7 @@ def teacher_model(cfg: Config, d: Dist) -> tuple[Config, str]:
 def with_teacher_data(cfg: Config, d: Dist) -> Config:
     """cfg reading a teacher's responses when the objective needs them (GAD) and the task is
     synthetic: the self-made teacher's answers, written once to a data file (warm_start.teacher_data)."""
-    if "teacher_response" not in objectives.OBJECTIVES[cfg.algo.name].row_fields or cfg.data.task not in data.TASKS:
+    if "teacher_response" not in objectives.OBJECTIVES[cfg.algo.name].row_fields or cfg.data.task not in tasks.TASKS:
         return cfg
     teacher_cfg, teacher_dir = teacher_model(cfg, d)
     return teacher_data(cfg, teacher_cfg, teacher_dir, d)
@@ -359,7 +360,7 @@ def main(argv=None):
         print(describe(cfg), flush=True)
         print(f"out_dir: {cfg.log.out_dir}", flush=True)
     rank0_call(d, lambda: check_out_dir(cfg, resuming=bool(cfg.train.resume)))  # not after the warm start
-    if cfg.data.task not in data.TASKS and not cfg.model.path:  # a file's rows, before a warm start's minutes
+    if cfg.data.task not in tasks.TASKS and not cfg.model.path:  # a file's rows, before a warm start's minutes
         rank0_call(d, lambda: load_data(cfg), share=False)
     t0 = time.perf_counter()
     model_dir = resolve_model(cfg, d)

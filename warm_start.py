@@ -18,6 +18,7 @@ import shutil
 
 import data
 import objectives
+import tasks
 from config import AlgoConfig, Config, OptimConfig, RolloutConfig, TrainConfig
 from data import read_rows, stream_seed
 from evaluate import success_rate, teacher_context_ids
@@ -35,7 +36,7 @@ WARM_START_SOURCES = ("run.py", "warm_start.py", "config.py", "policy.py", "upda
 
 def tiny_model_dir(cfg: Config) -> str:
     """The tiny model the project builds for cfg's task (a vision-language one for a picture task)."""
-    if cfg.data.task in data.IMAGE_TASKS:
+    if cfg.data.task in tasks.IMAGE_TASKS:
         return data.tiny_vlm_dir(data.TinyVLMConfig(**dataclasses.asdict(cfg.model.tiny)))
     return data.tiny_model_dir(cfg.model.tiny)
 
@@ -92,9 +93,9 @@ def warm_start_checks(cfg: Config, objective, tokenizer) -> tuple[list, list] | 
     the stopping point is not chosen on the rows that then measure the RL run; they overlap
     only at a difficulty with fewer distinct rows), and the same rows shown their reference
     (whether copying a demonstration has formed). None otherwise."""
-    if not (objective.references and cfg.train.warm_start_target and cfg.data.task in data.TASKS):
+    if not (objective.references and cfg.train.warm_start_target and cfg.data.task in tasks.TASKS):
         return None
-    rows = data.task_rows(cfg.data.task, "test", 2048 + 256, cfg=cfg.data, at_most=True)[-256:]
+    rows = tasks.task_rows(cfg.data.task, "test", 2048 + 256, cfg=cfg.data, at_most=True)[-256:]
     return rows, [teacher_context_ids(tokenizer, row, "demonstration", None, cfg) for row in rows]
 
 
@@ -196,7 +197,7 @@ def teacher_data(cfg: Config, teacher_cfg: Config, teacher_dir: str, d: Dist) ->
             engine.close()
     return dataclasses.replace(cfg, data=dataclasses.replace(
         cfg.data, task=paths["train"], eval_path=paths["heldout"], fields="",
-        reward=cfg.data.reward or data.task_rows(cfg.data.task, "test", 1, cfg=cfg.data)[0]["reward"]))
+        reward=cfg.data.reward or tasks.task_rows(cfg.data.task, "test", 1, cfg=cfg.data)[0]["reward"]))
 
 
 def write_teacher_data(engine, tokenizer, train_rows: list, eval_rows: list, cfg: Config, out: str, paths: dict):

@@ -30,7 +30,7 @@ sys.path.append(os.path.join(ROOT, "bench"))  # after ROOT: bench/losses.py must
 import data  # noqa: E402
 import run  # noqa: E402
 import sdpo  # noqa: E402
-from feedback.quiz import quiz_reward  # noqa: E402
+from tasks.quiz import reward as quiz_reward  # noqa: E402
 from learning import warm_start  # noqa: E402
 
 

@@ -3,7 +3,7 @@
     python bench/gad.py [--seeds 3] [--warmup 100] [--steps 200] [--distil data.quiz_ops=*] [--ood data.quiz_ops=+]
                         [--out runs/bench-gad] [extra run.py flags, e.g. --gad.critic_warmup=50]
 
-On the quiz (answers of three lines "a:7+8=15"; the recipe's values, recipes/quiz.py), from the
+On the quiz (answers of three lines "a:7+8=15"; the recipe's values, tasks/quiz.py), from the
 same student start (the quiz recipe's warm start, ~30% held-out success, or --model.path), at
 equal budgets (the same steps, prompts per step and optimizer steps):
   - SeqKD: `--algo sft` on the teacher's responses for --steps steps;
@@ -178,7 +178,7 @@ def main():
                        teacher_dir, d)
     data_flags = [f"--data.task={cfg.data.task}", f"--data.eval_path={cfg.data.eval_path}",
                   f"--data.reward={cfg.data.reward}"]
-    # the runs read the teacher's data file: they take the task's recipe (recipes/quiz.py) by name
+    # the runs read the teacher's data file: they take the task's recipe (tasks/quiz.py) by name
     recipe = f"--recipe={recipe_name(run.parse_config(extra))}"
     common = extra + data_flags + [recipe, f"--model.path={start}", f"--train.steps={args.steps}",
                                    "--train.eval_every=0",

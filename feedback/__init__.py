@@ -5,7 +5,8 @@ float/int/bool, a dict {"score": ..., "feedback": ...}, or a `Reward`. Callers g
 / `score_batch`, which normalise the result and turn any failure of the function into
 `Reward(score=0.0, error=...)`, so that one broken row never kills a training step.
 
-Built-in functions: "math", "strops", "code", "mc", "shapes" (see `get_reward_fn`). The feedback text is
+Built-in functions: "math", "code", "mc", and each synthetic task's checker by its task's name
+("strops", "quiz", "shapes": tasks/; see `get_reward_fn`). The feedback text is
 what the SDPO teacher sees, so it must never leak the ground truth by default and must
 be deterministic: the same response gives the same text.
 """
@@ -106,19 +107,27 @@ def shortest_first(tests: list[dict], size: Callable[[dict], int] = lambda t: le
 # -----------------------------------------------------------------------------
 # looking up and calling reward functions
 
-BUILTIN = {"math": ("feedback.math", "math_reward"), "strops": ("feedback.strops", "strops_reward"),
-           "code": ("feedback.code", "code_reward"), "mc": ("feedback.mc", "mc_reward"),
-           "shapes": ("feedback.shapes", "shapes_reward"), "quiz": ("feedback.quiz", "quiz_reward")}
+BUILTIN = {"math": ("feedback.math", "math_reward"), "code": ("feedback.code", "code_reward"),
+           "mc": ("feedback.mc", "mc_reward")}
+
+
+def reward_names() -> list[str]:
+    """The names get_reward_fn knows without a module: the built-in ones and the tasks' checkers."""
+    import tasks
+    return sorted([*BUILTIN, *(name for name in tasks.TASKS if tasks.checker(name))])
 
 
 def get_reward_fn(name: str) -> Callable:
-    """A built-in name ("math", "strops", "code", "mc", "shapes"), "package.module:function", or
-    "path/to/file.py:function". Raises ValueError naming the spec when it cannot be loaded."""
+    """A built-in name ("math", "code", "mc"), a synthetic task's name for its checker ("strops",
+    "quiz", "shapes": tasks.checker), "package.module:function", or "path/to/file.py:function".
+    Raises ValueError naming the spec when it cannot be loaded."""
     if name in BUILTIN:
         module, attr = BUILTIN[name]
         return getattr(importlib.import_module(module), attr)
-    usage = (f"expected one of {sorted(BUILTIN)}, 'package.module:function' or "
-             f"'path/to/file.py:function'")
+    import tasks  # here, not above: the tasks' checkers are built on this module's helpers
+    if tasks.checker(name):
+        return tasks.checker(name)
+    usage = f"expected one of {reward_names()}, 'package.module:function' or 'path/to/file.py:function'"
     if ":" not in name:
         raise ValueError(f"unknown reward function {name!r}: {usage}")
     where, attr = name.rsplit(":", 1)

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import data
 import feedback
 import run
+import tasks
 from data import DataError, TaskConfig, TinyModelConfig
 
 FAST = settings(max_examples=60, deadline=None)
@@ -151,12 +152,12 @@ def test_the_cache_keys_follow_the_code_a_build_runs(tmp_path, monkeypatch):
     import warm_start
     monkeypatch.setattr(data, "build_tiny_model", lambda out_dir, cfg: out_dir)
     generator = tmp_path / "strops.py"
-    with open(os.path.join(data.PROJECT_DIR, "feedback", "strops.py")) as f:
+    with open(os.path.join(data.PROJECT_DIR, "tasks", "strops.py")) as f:
         original = f.read()
 
     def keys(source: str):
         generator.write_text(source)
-        swap = lambda files: tuple(str(generator) if f == "feedback/strops.py" else f for f in files)
+        swap = lambda files: tuple(str(generator) if f == "tasks/strops.py" else f for f in files)
         monkeypatch.setattr(data, "TINY_SOURCES", swap(data.TINY_SOURCES))
         monkeypatch.setattr(warm_start, "WARM_START_SOURCES", swap(warm_start.WARM_START_SOURCES))
         tiny = data.tiny_model_dir(SMALL, cache_dir=str(tmp_path / "cache"))
@@ -288,7 +289,7 @@ def test_arith_answer_is_correct():
         expected = a + b if op == "+" else a - b if op == "-" else a * b
         assert row["answer"] == str(expected)
         assert row["reference"].endswith(f"Answer: {expected}")
-        assert data.ARITH_INSTRUCTION in row["messages"][0]["content"]
+        assert tasks.arith.INSTRUCTION in row["messages"][0]["content"]
         assert row["reward"] == "math" and row["tests"] is None
     assert ops_seen == {"+", "-", "*"}
     assert any(int(r["answer"]) < 0 for r in rows)  # subtraction reaches negative answers
@@ -309,7 +310,7 @@ def test_arith_knobs_change_the_rows():
     assert {op for _, op, _ in map(_parse_arith, default)} == {"+", "-"}
 
 
-# An independent implementation of the string ops (not feedback.strops.OPS).
+# An independent implementation of the string ops (not tasks.strops.OPS).
 def _my_op(op, s):
     if op == "reverse":
         return "".join(s[i] for i in range(len(s) - 1, -1, -1))
@@ -356,7 +357,7 @@ def test_my_ops_match_hand_worked_examples():
                 "droplast": "ab", "evens": "aA", "odds": "b"}
     for op, out in examples.items():
         assert _my_op(op, "abA") == out, op
-    from feedback.strops import OPS
+    from tasks.strops import OPS
     assert set(examples) == set(OPS)  # every op of the DSL is covered
 
 
@@ -376,11 +377,11 @@ def test_strops_expected_outputs_agree_with_an_independent_implementation():
         prompt = row["messages"][0]["content"]
         lines = prompt.split("\n")
         assert lines[:2] == [f"{c['input']} -> {c['output']}" for c in row["tests"][:2]]
-        assert lines[2] == data.STROPS_INSTRUCTION
+        assert lines[2] == tasks.strops.INSTRUCTION
         for case in row["tests"][2:]:  # hidden tests stay hidden
             assert case["input"] not in prompt
         assert len({c["input"] for c in row["tests"]}) == 4
-    from feedback.strops import OPS
+    from tasks.strops import OPS
     assert ops_seen == set(OPS)
 
 
@@ -397,7 +398,7 @@ def test_strops_knobs_change_the_rows():
         assert all(len(c["input"]) == 7 and set(c["input"]) <= set("xyz") for c in row["tests"])
         lines = row["messages"][0]["content"].split("\n")
         assert lines[:3] == [f"{c['input']} -> {c['output']}" for c in row["tests"][:3]]
-        assert lines[3] == data.STROPS_INSTRUCTION
+        assert lines[3] == tasks.strops.INSTRUCTION
     single = data.task_rows("strops", "train", 50, cfg=TaskConfig(strops_max_ops=1))
     assert all(" | " not in r["answer"] for r in single)
     more_tests = data.task_rows("strops", "train", 20, cfg=TaskConfig(strops_hidden=5))
@@ -437,7 +438,7 @@ def test_quiz_results_are_correct_and_only_the_questions_are_shown():
     ops_seen = set()
     for row in rows:
         questions = row["messages"][0]["content"].split("\n")
-        assert questions[-1] == data.QUIZ_INSTRUCTION and len(questions) == 4
+        assert questions[-1] == tasks.quiz.INSTRUCTION and len(questions) == 4
         assert [t["input"] for t in row["tests"]] == questions[:-1]
         for t in row["tests"]:
             assert t["output"] == str(_quiz_value(t["input"])) and int(t["output"]) >= 0
@@ -473,7 +474,7 @@ def test_wrong_responses_fail_with_feedback(task):
     import random
     rng = random.Random(0)
     for row in data.task_rows(task, "train", 100):
-        wrong = data.wrong_response(row, rng)
+        wrong = tasks.wrong_response(row, rng)
         reward = feedback.get_reward_fn(row["reward"])(wrong, row, False)
         assert reward.score == 0.0, (row["uid"], wrong)
         assert row["reference"] not in reward.feedback
@@ -485,7 +486,7 @@ def test_wrong_quiz_responses_are_slips_on_some_lines():
     import random
     rng, wrong_lines = random.Random(1), []
     for row in data.task_rows("quiz", "train", 200):
-        lines = data.wrong_response(row, rng).split("\n")
+        lines = tasks.wrong_response(row, rng).split("\n")
         assert [ln.split("=")[0] for ln in lines] == [t["input"] for t in row["tests"]]
         diffs = [int(ln.split("=")[1]) - int(t["output"]) for ln, t in zip(lines, row["tests"])]
         wrong_lines.append(sum(d != 0 for d in diffs))
@@ -1045,30 +1046,38 @@ def test_the_custom_reward_example_in_docs_reads_a_column_of_the_file(tmp_path):
     assert fn("42", row, False) == {"score": 0.0, "feedback": "Give the number with its unit (km)."}
 
 
-def test_the_adding_a_task_example_in_docs_generates_checks_and_recipes(tmp_path):
-    """docs/data.md's worked example, as written: its rows, its checker's scores and feedback, its recipe's flags."""
-    import random
-    from types import SimpleNamespace
-    from config import Config, apply_flags
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data.md")) as f:
-        blocks = dict(re.findall(r"```python\n# (\S+)\n(.*?)```", f.read(), re.S))
-    generator = dict(vars(data))
-    exec(blocks["data.py"], generator)
-    difficulty = SimpleNamespace(sort_len=5, heldout_percent=10)
-    rows = [generator["_sort_row"](random.Random(seed), difficulty) for seed in range(20)]
-    assert len({r["uid"] for r in rows}) == 20
-    (tmp_path / "sort.py").write_text(blocks["feedback/sort.py"])
-    check = feedback.get_reward_fn(f"{tmp_path / 'sort.py'}:sort_reward")
-    row = rows[0]
-    numbers = row["answer"].split()
-    assert check(row["reference"], row, False).score == 1.0
-    swapped = " ".join([numbers[1], numbers[0]] + numbers[2:])
-    wrong = check(f"Answer: {swapped}", row, False)
-    assert wrong.score == 0.0 and (numbers[0] == numbers[1] or "place 1" in wrong.feedback)
-    assert row["answer"] not in wrong.feedback
-    assert "exactly once (you gave 4)" in check("Answer: " + " ".join(numbers[:4]), row, False).feedback
-    assert check(row["reference"], row, True).score == 0.0
-    recipe = {}
-    exec(blocks["recipes/sort.py"], recipe)
-    assert recipe["BASE"] == "tiny"
-    assert apply_flags(Config(), recipe["FLAGS"], "recipes/sort.py").train.warm_start_steps == 200
+def test_the_adding_a_task_example_in_docs_is_one_file_and_one_table_line(tmp_path):
+    """docs/data.md's worked example, as written: a copy of the project with its task file and
+    its table line added runs it through the run's own paths: the flags (its difficulty, its
+    recipe), the rows, the checker a row names, the wrong answers the warm start shows."""
+    import shutil
+    import subprocess
+    import sys
+    project = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(project, "docs", "data.md")) as f:
+        blocks = dict(re.findall(r"```python\n# ([\w/.]+\.py)[^\n]*\n(.*?)```", f.read(), re.S))
+    copy = tmp_path / "project"
+    shutil.copytree(project, copy, ignore=shutil.ignore_patterns(".git", "tests", "bench", "docs", "sweeps", "__pycache__"))
+    (copy / "tasks" / "sort.py").write_text(blocks["tasks/sort.py"])
+    table = (copy / "tasks" / "__init__.py").read_text()
+    assert '    "shapes",\n' in table
+    (copy / "tasks" / "__init__.py").write_text(table.replace('    "shapes",\n', '    "shapes",\n' + blocks["tasks/__init__.py"], 1))
+    check = """
+import random, data, feedback, tasks
+from config import parse_config
+cfg = parse_config(["--data.task=sort", "--data.sort_len=4", "--data.train_rows=40", "--data.eval_rows=8"])
+assert cfg.recipe == "sort" and cfg.train.warm_start_steps == 200, cfg.recipe
+train, held_out = data.read_rows(cfg)
+assert len(train) == 40 and len(held_out) == 8 and not {r["uid"] for r in train} & {r["uid"] for r in held_out}
+assert all(len(r["answer"].split()) == 4 for r in train)
+for row in train:
+    check = feedback.get_reward_fn(row["reward"])
+    assert feedback.score(check, row["reference"], row, False).score == 1.0
+    wrong = feedback.score(check, tasks.wrong_response(row, random.Random(0)) or "Answer:", row, False)
+    assert wrong.score == 0.0 and "out of order" in wrong.feedback and row["answer"] not in wrong.feedback, wrong
+    assert "exactly once (you gave 3)" in check("Answer: 1 2 3", row, False).feedback
+    assert feedback.score(check, row["reference"], row, True).score == 0.0
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", check], cwd=copy, capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -12,8 +12,10 @@ from feedback import (TRUNCATION_FEEDBACK, Reward, cut, get_reward_fn, io_fields
 from feedback.math import FORMAT_FEEDBACK as MATH_FORMAT_FEEDBACK
 from feedback.math import extract_answer, math_reward, normalize
 from feedback.mc import extract_choice, mc_reward
-from feedback.quiz import parse_results, quiz_reward
-from feedback.strops import OPS, extract_program, parse_program, run_program, strops_reward
+from tasks.quiz import parse_results
+from tasks.quiz import reward as quiz_reward
+from tasks.strops import OPS, extract_program, parse_program, run_program
+from tasks.strops import reward as strops_reward
 
 
 

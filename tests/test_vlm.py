@@ -23,6 +23,7 @@ import torch
 
 import data
 import feedback
+import tasks
 import warm_start
 from config import parse_config
 from data import DataError, TaskConfig
@@ -76,7 +77,7 @@ def pixel_colour(image, cell, dx=0.0, dy=0.0, grid=2):
 def test_shapes_rows_show_what_their_answer_says():
     rows = data.task_rows("shapes", "train", 200)
     kinds = {"count": 0, "colour": 0, "position": 0}
-    positions = data.grid_positions(2)
+    positions = tasks.shapes.grid_positions(2)
     for row in rows:
         scene, question = scene_of(row), row["messages"][0]["content"][1]["text"]
         (image,) = row["images"]
@@ -106,10 +107,10 @@ def test_shapes_rows_show_what_their_answer_says():
 def test_scene_questions_name_every_shape_in_reading_order_and_feedback_hides_them():
     cfg = TaskConfig(shapes_questions="scene")
     rows = data.task_rows("shapes", "train", 50, cfg=cfg)
-    positions = data.grid_positions(2)
+    positions = tasks.shapes.grid_positions(2)
     fn = feedback.get_reward_fn("shapes")
     for row in rows:
-        assert row["messages"][0]["content"][1]["text"].startswith(data.SCENE_QUESTION)
+        assert row["messages"][0]["content"][1]["text"].startswith(tasks.shapes.SCENE_QUESTION)
         assert row["answer"] == ", ".join(f"{colour} {kind} {positions[cell]}"
                                           for colour, kind, cell, _, _ in sorted(scene_of(row), key=lambda s: s[2]))
         assert feedback.score(fn, f"Answer: {row['answer']}", row, False).score == 1.0
@@ -125,13 +126,13 @@ def test_scene_questions_name_every_shape_in_reading_order_and_feedback_hides_th
 
 def test_a_picture_quiz_asks_what_the_picture_answers_and_its_feedback_marks_each_line():
     rows = data.task_rows("shapes", "train", 120, cfg=TaskConfig(shapes_questions="quiz"))
-    positions = data.grid_positions(2)
+    positions = tasks.shapes.grid_positions(2)
     fn = feedback.get_reward_fn("shapes")
     rng = random.Random(0)
     assert sum(len(row["tests"]) == 3 for row in rows) > 100
     for row in rows:
         scene, text = scene_of(row), row["messages"][0]["content"][1]["text"]
-        assert text.splitlines()[-1] == feedback.shapes.PICTURE_QUIZ_INSTRUCTION
+        assert text.splitlines()[-1] == tasks.shapes.PICTURE_QUIZ_INSTRUCTION
         assert text.splitlines()[:-1] == [t["input"] for t in row["tests"]]
         assert len({t["input"] for t in row["tests"]}) == len(row["tests"])
         for label, test in zip("abc", row["tests"]):
@@ -147,7 +148,7 @@ def test_a_picture_quiz_asks_what_the_picture_answers_and_its_feedback_marks_eac
         assert row["reference"] == row["answer"] == "\n".join(f"{l}: {t['output']}" for l, t in zip("abc", row["tests"]))
         assert feedback.score(fn, "I see:\n" + row["answer"].upper(), row, False).score == 1.0
         # a plausible wrong reply: each line marked, the right ones repeated, a wrong one's answer never shown
-        wrong = data.wrong_response(row, rng)
+        wrong = tasks.wrong_response(row, rng)
         given = dict(line.split(": ") for line in wrong.splitlines())
         reward = feedback.score(fn, wrong, row, False)
         marks = reward.feedback.splitlines()
@@ -216,7 +217,7 @@ def test_shapes_reward_and_its_feedback_never_give_the_answer():
     rng = random.Random(0)
     for row in rows:
         assert feedback.score(fn, f"I see it.\nAnswer: {row['answer'].upper()}.", row, False).score == 1.0
-        wrong = data.wrong_response(row, rng)
+        wrong = tasks.wrong_response(row, rng)
         assert wrong != row["reference"]
         reward = feedback.score(fn, wrong, row, False)
         assert reward.score == 0.0
@@ -227,7 +228,7 @@ def test_shapes_reward_and_its_feedback_never_give_the_answer():
                     "the colour of the" if question.startswith("What colour") else "where the")
         assert expected in reward.feedback
     row = rows[0]
-    assert feedback.score(fn, "no idea", row, False).feedback == feedback.shapes.FORMAT_FEEDBACK
+    assert feedback.score(fn, "no idea", row, False).feedback == tasks.shapes.FORMAT_FEEDBACK
     assert feedback.score(fn, "Answer: ", row, False).score == 0.0
     assert feedback.score(fn, f"Answer: {row['answer']}", row, True).score == 0.0  # truncated
     assert feedback.score(fn, f"Answer: x\nAnswer: {row['answer']}", row, False).score == 1.0  # the last one counts
