@@ -4,13 +4,12 @@
 The flags' defaults are the pretrained-model preset: what a run on a model you bring
 (`--model.path DIR`) should start from (the comments say where each value comes from). The
 tiny model the project builds needs other values; they are recipes, small tables of flag values
-(recipes/tiny.py, and a task's own in its file: tasks/strops.py, tasks/quiz.py, tasks/shapes.py),
+(tiny_models.RECIPE, and a task's own in its file: tasks/strops.py, tasks/quiz.py, tasks/shapes.py),
 applied by name and printed at the start. Flags
 given on the command line always win over the recipe. The resolved config (the recipe's name
 included) goes to <out_dir>/config.json and the wandb run.
 """
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -24,9 +23,9 @@ import losses
 import objectives
 import sdpo
 import tasks
+import tiny_models
 from data import FlagError
 
-RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
 # The values the run prints beside its recipe's own: what decides how hard an update pushes
 HEADLINE = ("optim.lr", "optim.warmup_steps", "train.mini_batches", "algo.eps_low", "algo.eps_high", "algo.kl_coef",
             "sdpo.alpha", "sdpo.topk", "sdpo.teacher_rate", "sdpo.include_environment_feedback", "rollout.max_tokens")
@@ -35,7 +34,7 @@ HEADLINE = ("optim.lr", "optim.warmup_steps", "train.mini_batches", "algo.eps_lo
 @dataclass
 class ModelConfig:
     path: str = ""  # a local HF model directory; empty: the tiny model built from the task corpus
-    tiny: data.TinyModelConfig = field(default_factory=data.TinyModelConfig)
+    tiny: tiny_models.TinyModelConfig = field(default_factory=tiny_models.TinyModelConfig)
     gradient_checkpointing: bool = False
 
 
@@ -219,7 +218,7 @@ class TrainConfig:
     # [tokens, vocab] (chunked_head.token_logprobs_from_hidden); 0: plain autograd on the full logits
     head_chunk_size: int = 512
     seed: int = 0
-    # The tiny model's built-in SFT on the task's references (cached; recipes/ set these per task)
+    # The tiny model's built-in SFT on the task's references (cached; the recipes set these per task)
     warm_start_steps: int = 300
     # > 0: the warm start ends early, at the first check (every warm_start_check_every steps)
     # where the bare student's held-out success, estimated without sampling
@@ -280,7 +279,7 @@ class LogConfig:
 @dataclass
 class Config:
     # the values on top of the flags' defaults: auto picks pretrained for a --model.path the project
-    # did not build, else the task's own (tasks/<task>.py), else recipes/tiny.py; a name picks one (config.recipe_name)
+    # did not build, else the task's own (tasks/<task>.py), else tiny_models.py's; a name picks one (config.recipe_name)
     recipe: str = "auto"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -384,7 +383,7 @@ def recipe_names() -> list[str]:
 
 def recipe_source(name: str) -> str:
     """Where the recipe called name is written."""
-    return "recipes/tiny.py" if name == "tiny" else f"tasks/{name}.py"
+    return "tiny_models.py" if name == "tiny" else f"tasks/{name}.py"
 
 
 def check_config(cfg: Config):
@@ -432,7 +431,7 @@ def recipe_name(cfg: Config) -> str:
         if cfg.recipe != "pretrained" and cfg.recipe not in recipe_names():
             raise FlagError(f"--recipe {cfg.recipe}: no such recipe (known: pretrained, {', '.join(recipe_names())})")
         return cfg.recipe
-    if cfg.model.path and not data.built_here(cfg.model.path):
+    if cfg.model.path and not tiny_models.built_here(cfg.model.path):
         return "pretrained"
     return cfg.data.task if tasks.recipe(cfg.data.task, "") is not None else "tiny"
 
@@ -443,10 +442,7 @@ def recipe_flags(name: str, algo: str) -> dict:
     if name == "pretrained":
         return {}
     if name == "tiny":
-        spec = importlib.util.spec_from_file_location("recipes.tiny", os.path.join(RECIPES_DIR, "tiny.py"))
-        recipe = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(recipe)
-        return dict(recipe.FLAGS)
+        return dict(tiny_models.RECIPE)
     return {**recipe_flags("tiny", algo), **tasks.recipe(name, algo)}
 
 

@@ -30,7 +30,7 @@ class SdpoConfig:
     remove_thinking_from_demonstration: bool = True
     # Demonstrations only: the paper's configuration without environment feedback. A weak
     # pretrained model reads feedback badly (docs/results.md); the tiny model's warm start teaches
-    # it to, and recipes/tiny.py turns it on.
+    # it to, and tiny_models.py turns it on.
     include_environment_feedback: bool = False
     environment_feedback_only_without_solution: bool = True  # feedback only when no demonstration
     reprompt_template: str = "{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n"

@@ -1,7 +1,7 @@
 """The model a run trains: --model.path, or the tiny model after its cached SFT warm start.
 
 The warm start is `--algo sft` on the task's reference answers with the
---train.warm_start_* values (its recipe: recipes/), a share of the prompts shown as SDPO
+--train.warm_start_* values (its recipe: tiny_models.py, tasks/), a share of the prompts shown as SDPO
 teacher contexts so that the tiny model learns to use what the teacher is shown. It is cached
 under a hash of the values it reads and the code it runs (WARM_START_SOURCES), and may stop
 early at --train.warm_start_target, estimated without sampling (reference_success). GAD's
@@ -19,6 +19,7 @@ import shutil
 import data
 import objectives
 import tasks
+import tiny_models
 from config import AlgoConfig, Config, OptimConfig, RolloutConfig, TrainConfig
 from data import read_rows, stream_seed
 from evaluate import success_rate, teacher_context_ids
@@ -27,18 +28,18 @@ from policy import load_tokenizer, pad_token_id
 from rollout import generate_and_score, rank0_call, start_engine
 
 # The code a warm start runs (an SFT run of the loop on the task's references, its prompts partly
-# SDPO teacher contexts with the checkers' feedback), beyond the tiny model's data.TINY_SOURCES:
+# SDPO teacher contexts with the checkers' feedback), beyond the tiny model's tiny_models.TINY_SOURCES:
 # part of its cache key, so that an edit to a generator, a checker, a template, the SFT loss or
-# the loop builds it anew (data.source_hash; comments and docstrings aside).
+# the loop builds it anew (tiny_models.source_hash; comments and docstrings aside).
 WARM_START_SOURCES = ("run.py", "warm_start.py", "config.py", "policy.py", "update.py", "objectives.py", "losses.py",
-                      "chunked_head.py", "sdpo.py", "evaluate.py", *data.TINY_SOURCES, "feedback/math.py")  # the tasks' checkers
+                      "chunked_head.py", "sdpo.py", "evaluate.py", *tiny_models.TINY_SOURCES, "feedback/math.py")  # the tasks' checkers
 
 
 def tiny_model_dir(cfg: Config) -> str:
     """The tiny model the project builds for cfg's task (a vision-language one for a picture task)."""
     if cfg.data.task in tasks.IMAGE_TASKS:
-        return data.tiny_vlm_dir(data.TinyVLMConfig(**dataclasses.asdict(cfg.model.tiny)))
-    return data.tiny_model_dir(cfg.model.tiny)
+        return tiny_models.tiny_vlm_dir(tiny_models.TinyVLMConfig(**dataclasses.asdict(cfg.model.tiny)))
+    return tiny_models.tiny_model_dir(cfg.model.tiny)
 
 
 def warm_start_config(cfg: Config, tiny: str) -> Config:
@@ -60,7 +61,7 @@ def warm_start_config(cfg: Config, tiny: str) -> Config:
         # a cache entry without its final model is an interrupted build: rebuilt from scratch
         log=dataclasses.replace(cfg.log, wandb_mode="disabled", overwrite=True),
         eval_only=False, ttt_prompts=0)  # those modes are for the RL run, not its warm start
-    key = json.dumps([tiny, data.source_hash(WARM_START_SOURCES), *warm_start_key(cfg, warm, warm_train)],
+    key = json.dumps([tiny, tiny_models.source_hash(WARM_START_SOURCES), *warm_start_key(cfg, warm, warm_train)],
                      sort_keys=True)
     path = tiny + "-sft-" + hashlib.sha1(key.encode()).hexdigest()[:10]
     return dataclasses.replace(warm, log=dataclasses.replace(warm.log, out_dir=path))

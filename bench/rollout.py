@@ -137,10 +137,10 @@ def sft(model, tokenizer, steps, lr, batch=32, seed=0):
 def child(mode, args):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    import data
     import rollout
+    import tiny_models
 
-    model_dir = args.model or data.tiny_model_dir()
+    model_dir = args.model or tiny_models.tiny_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     probe = rollout.probe_ids(tokenizer)
@@ -221,8 +221,8 @@ AT_SIZE = dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3
 def at_size(args):
     """Weight sync of a model of real size (>= 100M parameters): a random Qwen2 of AT_SIZE's
     shape with the tiny model's tokenizer, built locally and cached, or --at-size-model."""
-    import data
-    model = args.at_size_model or data.tiny_model_dir(data.TinyModelConfig(**AT_SIZE))
+    import tiny_models
+    model = args.at_size_model or tiny_models.tiny_model_dir(tiny_models.TinyModelConfig(**AT_SIZE))
     res = {}
     for mode in ("inprocess", "own"):
         res[mode] = r = run_child(mode, args, model=model, gen_repeats=0, syncs=args.at_size_syncs, kv_tokens=4096)  # syncs only: a small cache

@@ -10,8 +10,8 @@ sys.path.insert(0, ROOT)
 
 @pytest.fixture(scope="session")
 def tiny_dir():
-    import data
-    return data.tiny_model_dir()
+    import tiny_models
+    return tiny_models.tiny_model_dir()
 
 
 @pytest.fixture(scope="session")

@@ -20,8 +20,8 @@ def main(out_dir, d):
     """One DPO update of both ranks; rank 0 writes its gradients and metrics into out_dir."""
     import torch
 
-    import data
     import run
+    import tiny_models
     from objectives import OBJECTIVES, Models, prepare_pairs
     from teacher import Reference, full_tensor
     from test_dpo import TWO_RANK_FLAGS, TWO_RANK_REWARDS, _scored, dpo_config
@@ -41,7 +41,7 @@ def main(out_dir, d):
         def zero_grad(self, set_to_none=True):
             self.model.zero_grad(set_to_none=set_to_none)
 
-    tiny = data.tiny_model_dir()
+    tiny = tiny_models.tiny_model_dir()
     tokenizer = run.load_tokenizer(tiny)
     cfg = dpo_config("--rollout.n=4", *TWO_RANK_FLAGS)
     torch.manual_seed(0)

@@ -22,7 +22,10 @@ import data
 import feedback
 import run
 import tasks
-from data import DataError, TaskConfig, TinyModelConfig
+import tiny_models
+from data import DataError
+from tasks import TaskConfig
+from tiny_models import TinyModelConfig
 
 FAST = settings(max_examples=60, deadline=None)
 SMALL = TinyModelConfig(num_layers=1, intermediate_size=128)  # quick to build, same tokenizer recipe
@@ -82,14 +85,14 @@ def test_tokenizer_digits_are_single_tokens_and_text_round_trips(tokenizer):
 
 def test_build_is_deterministic(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    data.build_tiny_model(a, SMALL)
-    data.build_tiny_model(b, SMALL)
+    tiny_models.build_tiny_model(a, SMALL)
+    tiny_models.build_tiny_model(b, SMALL)
     for name in ("model.safetensors", "tokenizer.json", "config.json", "generation_config.json"):
         with open(os.path.join(a, name), "rb") as fa, open(os.path.join(b, name), "rb") as fb:
             assert fa.read() == fb.read(), name
     # a different seed gives different weights (so the comparison above can fail)
     c = str(tmp_path / "c")
-    data.build_tiny_model(c, TinyModelConfig(**{**SMALL.__dict__, "seed": 1}))
+    tiny_models.build_tiny_model(c, TinyModelConfig(**{**SMALL.__dict__, "seed": 1}))
     with open(os.path.join(a, "model.safetensors"), "rb") as fa, open(os.path.join(c, "model.safetensors"), "rb") as fc:
         assert fa.read() != fc.read()
 
@@ -97,11 +100,11 @@ def test_build_is_deterministic(tmp_path):
 def test_tiny_model_dir_builds_once_and_reuses_the_cache(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     cache = str(tmp_path / "cache")
-    path = data.tiny_model_dir(SMALL, cache_dir=cache)
+    path = tiny_models.tiny_model_dir(SMALL, cache_dir=cache)
     assert os.path.dirname(path) == cache
     with open(os.path.join(path, "recipe.json")) as f:
         recipe = json.load(f)
-    assert recipe["source"] == data.source_hash(data.TINY_SOURCES) and recipe["num_layers"] == 1
+    assert recipe["source"] == tiny_models.source_hash(tiny_models.TINY_SOURCES) and recipe["num_layers"] == 1
     assert [n for n in os.listdir(cache) if n.startswith(".build-")] == []  # no temporary left behind
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.num_hidden_layers == 1
@@ -111,13 +114,13 @@ def test_tiny_model_dir_builds_once_and_reuses_the_cache(tmp_path, monkeypatch):
     def no_build(*args, **kwargs):
         raise AssertionError("rebuilt a cached model")
 
-    monkeypatch.setattr(data, "build_tiny_model", no_build)
-    assert data.tiny_model_dir(SMALL, cache_dir=cache) == path
-    assert data.tiny_model_dir(TinyModelConfig(**SMALL.__dict__), cache_dir=cache) == path  # equal, not identical
+    monkeypatch.setattr(tiny_models, "build_tiny_model", no_build)
+    assert tiny_models.tiny_model_dir(SMALL, cache_dir=cache) == path
+    assert tiny_models.tiny_model_dir(TinyModelConfig(**SMALL.__dict__), cache_dir=cache) == path  # equal, not identical
     assert os.path.getmtime(os.path.join(path, "model.safetensors")) == mtime
     # SDPO_CACHE is the default cache directory
     monkeypatch.setenv("SDPO_CACHE", cache)
-    assert data.tiny_model_dir(SMALL) == path
+    assert tiny_models.tiny_model_dir(SMALL) == path
 
 
 def test_a_changed_recipe_gets_a_new_cache_path(tmp_path, monkeypatch):
@@ -129,18 +132,18 @@ def test_a_changed_recipe_gets_a_new_cache_path(tmp_path, monkeypatch):
             f.write(json.dumps(cfg.__dict__))
         return out_dir
 
-    monkeypatch.setattr(data, "build_tiny_model", fake_build)
+    monkeypatch.setattr(tiny_models, "build_tiny_model", fake_build)
     cache = str(tmp_path)
-    base = data.tiny_model_dir(SMALL, cache_dir=cache)
-    assert data.tiny_model_dir(SMALL, cache_dir=cache) == base and len(built) == 1
+    base = tiny_models.tiny_model_dir(SMALL, cache_dir=cache)
+    assert tiny_models.tiny_model_dir(SMALL, cache_dir=cache) == base and len(built) == 1
     paths = {base}
     for change in ({"seed": 1}, {"vocab_size": 512}, {"hidden_size": 256}, {"num_layers": 2},
                    {"intermediate_size": 256}, {"max_position_embeddings": 1024}):
-        path = data.tiny_model_dir(TinyModelConfig(**{**SMALL.__dict__, **change}), cache_dir=cache)
+        path = tiny_models.tiny_model_dir(TinyModelConfig(**{**SMALL.__dict__, **change}), cache_dir=cache)
         assert path not in paths, change
         paths.add(path)
-    monkeypatch.setattr(data, "source_hash", lambda files: "edited")  # the code it runs changed
-    bumped = data.tiny_model_dir(SMALL, cache_dir=cache)
+    monkeypatch.setattr(tiny_models, "source_hash", lambda files: "edited")  # the code it runs changed
+    bumped = tiny_models.tiny_model_dir(SMALL, cache_dir=cache)
     assert bumped not in paths
     assert len(built) == 8
     assert all(os.path.exists(os.path.join(p, "marker")) for p in paths | {bumped})
@@ -150,17 +153,17 @@ def test_the_cache_keys_follow_the_code_a_build_runs(tmp_path, monkeypatch):
     """An edit to a task generator's code gives the tiny model and its warm start new cache
     entries; an edit to its comments or docstrings, or to a file the build does not run, does not."""
     import warm_start
-    monkeypatch.setattr(data, "build_tiny_model", lambda out_dir, cfg: out_dir)
+    monkeypatch.setattr(tiny_models, "build_tiny_model", lambda out_dir, cfg: out_dir)
     generator = tmp_path / "strops.py"
-    with open(os.path.join(data.PROJECT_DIR, "tasks", "strops.py")) as f:
+    with open(os.path.join(tiny_models.PROJECT_DIR, "tasks", "strops.py")) as f:
         original = f.read()
 
     def keys(source: str):
         generator.write_text(source)
         swap = lambda files: tuple(str(generator) if f == "tasks/strops.py" else f for f in files)
-        monkeypatch.setattr(data, "TINY_SOURCES", swap(data.TINY_SOURCES))
+        monkeypatch.setattr(tiny_models, "TINY_SOURCES", swap(tiny_models.TINY_SOURCES))
         monkeypatch.setattr(warm_start, "WARM_START_SOURCES", swap(warm_start.WARM_START_SOURCES))
-        tiny = data.tiny_model_dir(SMALL, cache_dir=str(tmp_path / "cache"))
+        tiny = tiny_models.tiny_model_dir(SMALL, cache_dir=str(tmp_path / "cache"))
         return tiny, warm_start.warm_start_config(run.parse_config([]), tiny).log.out_dir
 
     base = keys(original)
@@ -176,9 +179,9 @@ def test_a_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
             f.write("{")
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(data, "build_tiny_model", broken_build)
+    monkeypatch.setattr(tiny_models, "build_tiny_model", broken_build)
     with pytest.raises(RuntimeError, match="disk on fire"):
-        data.tiny_model_dir(SMALL, cache_dir=str(tmp_path))
+        tiny_models.tiny_model_dir(SMALL, cache_dir=str(tmp_path))
     assert os.listdir(tmp_path) == []  # neither a half-built model nor a temporary directory
 
 

@@ -29,8 +29,8 @@ def _two_ranks(model_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny", "tiny_vlm"])
 def test_sharded_loading_gives_todays_weights_buffers_and_first_gradients(model, tmp_path):
-    import data
-    model_dir = data.tiny_model_dir() if model == "tiny" else data.tiny_vlm_dir()
+    import tiny_models
+    model_dir = tiny_models.tiny_model_dir() if model == "tiny" else tiny_models.tiny_vlm_dir()
     result = _two_ranks(model_dir, tmp_path)
     assert result["sharded"]
     (new_w, new_b, new_g), (old_w, old_b, old_g) = result["new"], result["old"]

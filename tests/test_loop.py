@@ -17,6 +17,7 @@ import torch
 
 import data
 import run
+import tiny_models
 from objectives import OBJECTIVES, Models
 from teacher import Teacher
 from test_run import NoSchedule, ONE_PROCESS, _policy, _rollouts
@@ -49,7 +50,7 @@ class SteppingRecorder:
 def fixed_start(flags):
     """(tiny model dir, tokenizer, config, objective, policy): the flags' objective and the
     fixed start every loop-level test updates (the tiny model moved by seed 3's noise)."""
-    tiny = data.tiny_model_dir()
+    tiny = tiny_models.tiny_model_dir()
     cfg = run.parse_config(flags)
     torch.manual_seed(0)
     return tiny, run.load_tokenizer(tiny), cfg, OBJECTIVES[cfg.algo.name], _policy(tiny, seed=3)
@@ -245,7 +246,7 @@ CASES = [
 
 @pytest.mark.parametrize("case,name,flags", CASES, ids=[c[0] for c in CASES])
 def test_two_optimizer_steps_match_the_formulas_on_plain_forwards(case, name, flags):
-    tiny = data.tiny_model_dir()
+    tiny = tiny_models.tiny_model_dir()
     tokenizer = run.load_tokenizer(tiny)
     cfg = run.parse_config(FLAGS + flags)
     torch.manual_seed(0)
@@ -281,7 +282,7 @@ def test_the_live_teacher_is_an_ema_teacher_holding_the_current_weights():
     """An update's first optimizer step: the live teacher gives the loss, gradient and
     metrics of an EMA teacher whose copy holds the policy's weights. Its second, after the
     policy moved: the live teacher moved with it, the EMA copy (which moves after the update) did not."""
-    tiny = data.tiny_model_dir()
+    tiny = tiny_models.tiny_model_dir()
     tokenizer = run.load_tokenizer(tiny)
     for mini_batches in (1, 2):
         flags = FLAGS + ["--algo=sdpo", f"--train.mini_batches={mini_batches}"]

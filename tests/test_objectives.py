@@ -8,6 +8,7 @@ import torch
 import data
 import objectives
 import run
+import tiny_models
 from golden import CASES, COMMON, PATH, fingerprint
 from objectives import OBJECTIVES, Models
 from teacher import Teacher
@@ -121,7 +122,7 @@ def _sdpo_update(flags, per_micro_batch: bool, monkeypatch):
     """One SDPO update on the fixed batch; returns (gradients, metrics, teacher forwards).
     per_micro_batch: compute the teacher per micro-batch, as a policy-reading teacher is."""
     import teacher as teacher_module
-    tiny = data.tiny_model_dir()
+    tiny = tiny_models.tiny_model_dir()
     tokenizer = run.load_tokenizer(tiny)
     cfg = run.parse_config(flags)
     torch.manual_seed(0)

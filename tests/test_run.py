@@ -15,6 +15,7 @@ import data
 import feedback
 import objectives
 import run
+import tiny_models
 import warm_start
 from objectives import OBJECTIVES, Models
 from rollout import Sample
@@ -1170,7 +1171,7 @@ def warm_start_calls(monkeypatch, tmp_path):
         open(os.path.join(cfg.log.out_dir, "final", "config.json"), "w").close()
 
     monkeypatch.setattr(run, "train", fake_train)
-    monkeypatch.setattr(data, "tiny_model_dir", lambda cfg=None: str(tmp_path / "tiny"))
+    monkeypatch.setattr(tiny_models, "tiny_model_dir", lambda cfg=None: str(tmp_path / "tiny"))
     return calls
 
 
@@ -1203,7 +1204,7 @@ def test_a_failed_warm_start_leaves_no_cache_entry(monkeypatch, tmp_path):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(run, "train", fails_midway)
-    monkeypatch.setattr(data, "tiny_model_dir", lambda cfg=None: str(tmp_path / "tiny"))
+    monkeypatch.setattr(tiny_models, "tiny_model_dir", lambda cfg=None: str(tmp_path / "tiny"))
     with pytest.raises(KeyboardInterrupt):
         run.resolve_model(run.parse_config([]), ONE_PROCESS)
     assert built and not os.path.exists(built[0])

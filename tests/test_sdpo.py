@@ -1,7 +1,7 @@
 """Tests of sdpo.py: teacher contexts built from a hand-made batch.
 
 Expected teacher prompts are written out by hand (ChatML of the tiny tokenizer, see
-data.CHAT_TEMPLATE) and compared with the decoded teacher prompt ids, so the tests do
+tiny_models.CHAT_TEMPLATE) and compared with the decoded teacher prompt ids, so the tests do
 not reuse the code under test to compute what they expect.
 """
 import dataclasses
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 from transformers import AutoTokenizer
 
-from data import tiny_model_dir
+from tiny_models import tiny_model_dir
 from sdpo import TRIM_MARKER, SdpoConfig, build_teacher_batch, context_text, strip_thinking
 
 INSTRUCTION_TAIL = "\n\nCorrectly solve the original question.\n<|im_end|>\n<|im_start|>assistant\n"
@@ -47,7 +47,7 @@ def encode_response(tok, text):
 
 
 def with_feedback(**overrides) -> SdpoConfig:
-    """The hand batches' config: the feedback shown (as recipes/tiny.py sets it), then overrides."""
+    """The hand batches' config: the feedback shown (as tiny_models.py sets it), then overrides."""
     return SdpoConfig(**{"include_environment_feedback": True, **overrides})
 
 
@@ -259,7 +259,7 @@ def test_config_defaults_match_spec():
         "success_threshold": 0.5,
         "dont_reprompt_on_self_success": True,
         "remove_thinking_from_demonstration": True,
-        "include_environment_feedback": False,  # the paper's runs without rich feedback; recipes/tiny.py: True
+        "include_environment_feedback": False,  # the paper's runs without rich feedback; tiny_models.py: True
         "environment_feedback_only_without_solution": True,
         "reprompt_template": "{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n",
         "solution_template": "\nCorrect solution:\n\n{successful_previous_attempt}\n\n",

@@ -24,16 +24,18 @@ import torch
 import data
 import feedback
 import tasks
+import tiny_models
 import warm_start
 from config import parse_config
-from data import DataError, TaskConfig
+from data import DataError
+from tasks import TaskConfig
 
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def vlm_dir():
-    return data.tiny_vlm_dir()
+    return tiny_models.tiny_vlm_dir()
 
 
 @pytest.fixture(scope="module")
@@ -354,7 +356,7 @@ def test_transformers_loads_the_tiny_vlm(vlm_dir, vlm_tokenizer, hf, image_promp
     # the text tokenizer's shortcuts survive: the task text tokenises compactly, digits singly
     row = data.task_rows("shapes", "train", 1)[0]
     assert len(vlm_tokenizer(row["messages"][0]["content"][1]["text"])["input_ids"]) < 20
-    assert data.tiny_vlm_dir() == vlm_dir  # cached by recipe
+    assert tiny_models.tiny_vlm_dir() == vlm_dir  # cached by recipe
 
 
 def test_image_prompts_expand_one_token_per_merged_patch(vlm_tokenizer, image_prompts):
