@@ -1,8 +1,8 @@
-"""The vLLM rollout engine: generation with per-token log-probs, and verified weight sync.
+"""The vLLM rollout engine: start, generation with per-token log-probs, scoring, verified weight loads.
 
 Rank 0 owns the engine: `colocated` on the trainers' device, or `separate` on the GPU after
 theirs; its core runs in its own process (torchrun's variables hidden from it) except for a
-single process on a GPU. Every weight sync is proven: the engine scores a fixed probe
+single process on a GPU (its processes' environment, CPU cores and reaper: processes.py). Every weight sync is proven: the engine scores a fixed probe
 sequence (with a picture for a vision-language model) and must match the trainer's log-probs
 of it (docs/sync.md). Image prompts are token ids with one image token per picture; a
 Sample's prompt_ids are the engine's expanded ids (data.ImagePrompts).
@@ -10,7 +10,6 @@ Sample's prompt_ids are the engine's expanded ids (data.ImagePrompts).
 import contextlib
 import functools
 import json
-import logging
 import os
 import shutil
 import sys
@@ -26,29 +25,12 @@ import torch.distributed as dist
 import data
 import feedback
 import sync
-import objectives
 from objectives import Dist, Rollout
 from config import Config
 from logger import status
+from processes import (TORCHRUN_VARS, alive, cpu_split, descendants, engine_env, patched_env, quiet_vllm_logging,
+                       supervise, use_plugins)
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
-                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
-
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
-# vLLM general plugins found on this path run in every process vLLM starts (vllm_plugins/).
-PLUGIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_plugins")
-VLLM_LOGGING = os.path.join(PLUGIN_DIR, "logging.json")
-USER_CONFIGURED_VLLM_LOGGING = bool({"VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING"} & set(os.environ)) or \
-    os.environ.get("VLLM_LOGGING_CONFIG_PATH", VLLM_LOGGING) != VLLM_LOGGING
-if not USER_CONFIGURED_VLLM_LOGGING:
-    # vLLM configures its logging only once an engine starts, so a warning at its import goes
-    # through Python's last-resort handler: "Triton is installed, but doesn't include CPU
-    # backend", about kernels a CPU engine does not use, once in the trainer and once in each
-    # engine process. Here, because those processes import the main script, and with it this
-    # module, before vLLM.
-    logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
 MAX_IMAGES_PER_PROMPT = 4
 
 
@@ -101,22 +83,6 @@ class Background:
         if self.error is not None:
             raise self.error
         return self.value
-
-
-@contextlib.contextmanager
-def _patched_env(set_vars: dict, remove_vars=()):
-    saved = {k: os.environ.get(k) for k in list(set_vars) + list(remove_vars)}
-    try:
-        for k in remove_vars:
-            os.environ.pop(k, None)
-        os.environ.update(set_vars)
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _config(model_dir: str) -> dict:
@@ -172,7 +138,7 @@ class Engine:
                  own_process: bool | None = None, engine_gpu: int | None = None, rpc_timeout_s: float = 600.0,
                  enforce_eager: bool = True, kv_cache_tokens: int = 0, cpu_cores: list[int] | None = None,
                  sync_addr: str = ""):
-        _quiet_vllm_logging()
+        quiet_vllm_logging()
         from vllm import LLM
         if placement not in ("colocated", "separate"):
             raise ValueError(f"placement must be 'colocated' or 'separate', got {placement!r}")
@@ -184,18 +150,7 @@ class Engine:
         if not own_process and world_size > 1:
             raise ValueError("an in-process engine under torchrun with several ranks hangs at start-up; "
                              "use own_process=True")
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if own_process else "0"}
-        if placement == "separate" and torch.cuda.is_available():
-            # The engine takes the GPU after the trainers' (trainers on 0..N-1 of this node).
-            gpu = engine_gpu if engine_gpu is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
-        bound = None  # the cores the engine's processes keep to, on CPU
-        if not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # the user's wins
-            bound = cpu_cores or sorted(os.sched_getaffinity(0))
-            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, bound))
-        env.update(_quiet_engine_processes())
-        _importable(env, ROOT)  # the workers load sync.WeightReceiver
+        env, bound = engine_env(placement, own_process, engine_gpu, cpu_cores, world_size)
         self.model_dir = model_dir
         self.own_process = own_process
         self.rpc_timeout_s = rpc_timeout_s
@@ -210,10 +165,10 @@ class Engine:
         self.vision = "vision_config" in _config(model_dir)
         if self.vision:  # images only: no video processor without torchvision, and no video budget to profile
             engine_args["limit_mm_per_prompt"] = {"image": MAX_IMAGES_PER_PROMPT, "video": 0}
-            _use_plugins(env)
+            use_plugins(env)
         t0 = time.perf_counter()
-        before = _descendants() if own_process else set()
-        with _patched_env(env, TORCHRUN_VARS if own_process else ()):
+        before = descendants() if own_process else set()
+        with patched_env(env, TORCHRUN_VARS if own_process else ()):
             # this process's resource tracker, if it is not running yet, starts with the quiet
             # environment too: at exit it would warn of vLLM's shared-memory buffer
             resource_tracker.ensure_running()
@@ -229,12 +184,8 @@ class Engine:
             )
         self.start_seconds = time.perf_counter() - t0
         # The engine core and its workers: watched during every call (see _call), and ended by a
-        # reaper process when this one ends without closing the engine (kill -9: vLLM's own
-        # processes outlive their parent).
-        self.processes = _processes_since(before) if own_process else {}
-        self._reaper = _start_reaper([p for p, _ in self.processes.values()]) if self.processes else None
-        for pid in self.processes if bound else ():
-            _pin_threads(pid, bound)
+        # reaper process when this one ends without closing the engine (processes.supervise).
+        self.processes, self._reaper = supervise(before, bound) if own_process else ({}, None)
 
     def _call(self, what: str, fn, *args, **kwargs):
         """fn(*args, **kwargs) into vLLM, its failures as EngineError. An own-process engine
@@ -252,7 +203,7 @@ class Engine:
         or a watched job fails, or an engine process dies."""
         try:
             while not job.done.wait(1.0):
-                dead = [(pid, name) for pid, (process, name) in self.processes.items() if not _alive(process)]
+                dead = [(pid, name) for pid, (process, name) in self.processes.items() if not alive(process)]
                 if dead:
                     raise EngineError(f"vLLM engine process {dead[0][1]} (pid {dead[0][0]}) died during {what}")
                 for other in watched:
@@ -426,7 +377,7 @@ class Engine:
             "init_weight_group", timeout=self.rpc_timeout_s, args=(host, port, 1 + workers, backend, self.rpc_timeout_s)),
             name="vLLM weight group")
         # under torchrun, torch's rendezvous would join torchrun's own store instead of opening one
-        with _patched_env({}, ["TORCHELASTIC_USE_AGENT_STORE"]):
+        with patched_env({}, ["TORCHELASTIC_USE_AGENT_STORE"]):
             opening = Background(lambda: sync.init_group(host, port, 0, 1 + workers, backend, self.rpc_timeout_s),
                                  name="weight group")
             self._wait("weight group set-up", joining, opening)
@@ -466,83 +417,6 @@ class Engine:
                 reaper.wait(timeout=30)
 
 
-REAPER = """
-import signal, sys, time, psutil
-def _running(p):
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the trainer decides
-processes = []
-for pid in sys.argv[1:]:
-    try:
-        processes.append(psutil.Process(int(pid)))  # remembers its start time: a reused pid is never hit
-    except psutil.Error:
-        pass
-sys.stdin.read()  # returns when the pipe closes: the trainer closed the engine, or died
-for p in processes:
-    try:
-        p.terminate()
-    except psutil.Error:
-        pass
-deadline = time.monotonic() + 3  # an engine has nothing to save: a short grace, then SIGKILL
-while processes and time.monotonic() < deadline:
-    # a zombie has exited (its parent, the trainer, reaps it): waiting on its pid would last the whole grace
-    processes = [p for p in processes if _running(p)]
-    time.sleep(0.05)
-for p in processes:
-    try:
-        p.kill()
-    except psutil.Error:
-        pass
-"""
-
-
-def _start_reaper(processes: list):
-    """A small process that terminates `processes` once this process has gone (its stdin closes)."""
-    import subprocess
-    return subprocess.Popen([sys.executable, "-c", REAPER] + [str(p.pid) for p in processes],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
-
-
-def _descendants() -> set[int]:
-    import psutil
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
-def _pin_threads(pid: int, cores: list[int]):
-    """Every thread of process pid that may run outside cores onto them (its later threads
-    inherit it). vLLM binds its CPU worker's OpenMP threads only, one to a core, which stays:
-    the engine core's scheduler and the other threads ran on any core, so an engine generating
-    beside the trainer (--train.off_policy_steps 1) took more than its share (docs/async.md)."""
-    with contextlib.suppress(OSError):  # a process or thread that has ended meanwhile
-        for tid in map(int, os.listdir(f"/proc/{pid}/task")):
-            with contextlib.suppress(OSError):
-                if not os.sched_getaffinity(tid) <= set(cores):
-                    os.sched_setaffinity(tid, cores)
-
-
-def _processes_since(before: set[int]) -> dict:
-    """pid -> (psutil.Process, name) of this process's descendants not in before, but
-    multiprocessing's resource tracker (not the engine's, and it outlives it)."""
-    import psutil
-    out = {}
-    for p in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline()):
-                out[p.pid] = (p, p.name())
-    return out
-
-
-def _alive(process) -> bool:
-    import psutil
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def probe_ids(tokenizer) -> list[int]:
     """A fixed sequence the engine and the trainer both score after every sync."""
     messages = [{"role": "user", "content": "What is 12 + 30? Give the final answer as 'Answer: <number>'."}]
@@ -576,53 +450,6 @@ def probe_logprobs(model, ids: list[int], images=None) -> torch.Tensor:
     input_ids = torch.tensor([ids], device=device)
     logits = model(input_ids=input_ids, **extra).logits[0, :-1].float()
     return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[0, 1:, None]).squeeze(-1).cpu()
-
-
-def _quiet_vllm_logging():
-    """vLLM's own logging at WARNING (its ~60 INFO lines at start-up mean nothing to a user), and
-    warnings that are harmless here hidden (vllm_plugins/logging.json): "Failed to load weights" of
-    a layer the reload skips (every sync is proven by its probe), the CPU worker's LD_PRELOAD
-    hints, and start-up warnings about settings chosen here on purpose (eager mode, whole-prompt
-    prefill; the worker's "OMP_NUM_THREADS=N is set", which vLLM set itself for the cores it binds;
-    "force killing remaining process EngineCore" / "force killing sub process VLLM::Worker" at close,
-    which gives it 2 s on purpose; the logger of the second also holds start-up notes about
-    settings vLLM overrides itself). Only
-    where the user has not configured vLLM's logging (VLLM_LOGGING_LEVEL=INFO)."""
-    if not USER_CONFIGURED_VLLM_LOGGING:
-        os.environ["VLLM_LOGGING_CONFIG_PATH"] = VLLM_LOGGING
-
-
-def _quiet_engine_processes() -> dict:
-    """The environment of the engine's processes, less three warnings that mean nothing to a
-    user: torch's deprecation of `reduce_op` as vLLM's Triton dispatcher scans every module;
-    the CPU worker's C++ note that it binds memory to its NUMA node (the binding it is given);
-    and, at exit, the resource tracker's "1 leaked shared_memory objects", vLLM's message-queue
-    buffer, which the tracker then removes. Where the user has not set PYTHONWARNINGS or
-    TORCH_CPP_LOG_LEVEL themselves."""
-    env = {}
-    if "PYTHONWARNINGS" not in os.environ:
-        env["PYTHONWARNINGS"] = ("ignore::FutureWarning:vllm.triton_utils.dispatcher,"
-                                 "ignore::UserWarning:multiprocessing.resource_tracker")
-    if "TORCH_CPP_LOG_LEVEL" not in os.environ and not torch.cuda.is_available():
-        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-    return env
-
-
-def _importable(env: dict, directory: str):
-    """Make directory's modules importable in every process vLLM starts."""
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else paths
-    if directory not in paths:
-        env["PYTHONPATH"] = os.pathsep.join([directory] + paths)
-
-
-def _use_plugins(env: dict):
-    """Make vllm_plugins/ visible to this process and to every process vLLM starts."""
-    if PLUGIN_DIR not in sys.path:
-        sys.path.insert(0, PLUGIN_DIR)
-    import no_torchvision
-    no_torchvision.apply()
-    _importable(env, PLUGIN_DIR)
 
 
 # ----------------------------------------------------------------------------------------
@@ -722,51 +549,6 @@ def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, max_model_len=cfg.rollout.max_model_len,
         own_process=own, rpc_timeout_s=cfg.rollout.rpc_timeout_s, cpu_cores=cores, sync_addr=cfg.rollout.sync_addr,
         kv_cache_tokens=kv_cache_tokens(cfg, model_dir, tokenizer, rows, d.device)), share=False)
-
-
-def cpu_split(cfg: Config) -> tuple[list[int], int, int]:
-    """On CPU: (the cores the engine's worker computes on, each rank's torch threads while the
-    engine generates beside the trainer, and while it does not).
-
-    Two OpenMP pools on the same cores slow each other many times over: a thread waiting at a
-    barrier spins while the one it waits for is preempted by the other pool. In the synchronous
-    loop the engine and the trainer take turns, so each gets every core; with
-    --train.off_policy_steps 1 the engine generates on half of them while the trainer learns
-    on the rest, and the trainer takes every core again once that generation has ended
-    (share_cores). A thread count the user set (the flags, OMP_NUM_THREADS,
-    VLLM_CPU_OMP_THREADS_BIND) is kept.
-    """
-    cores = sorted(os.sched_getaffinity(0))
-    ahead = cfg.train.off_policy_steps > 0
-    engine = min(len(cores), cfg.rollout.cpu_threads or (max(1, len(cores) // 2) if ahead else len(cores)))
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    alone = max(1, len(cores) // ranks)
-    beside = max(1, (len(cores) - engine) // ranks) if ahead and engine < len(cores) else alone
-    if cfg.train.cpu_threads or "OMP_NUM_THREADS" in os.environ:
-        beside = alone = cfg.train.cpu_threads or torch.get_num_threads()
-    return cores[:engine], beside, alone
-
-
-def share_cores(cfg: Config, engine, models: objectives.Models):
-    """--train.off_policy_steps 1 on CPU: before each forward of the trainer's models, its
-    threads are cpu_split's `beside` while the engine generates the next batch, and `alone`
-    once it has finished. A forward pre-hook, because an OpenMP thread count belongs to the
-    thread that sets it: the trainer's own thread must switch, between its forwards."""
-    if engine is None or cfg.train.off_policy_steps == 0 or torch.cuda.is_available():
-        return
-    _, beside, alone = cpu_split(cfg)
-    if beside == alone:
-        return
-
-    def switch(*_):
-        want = beside if engine.generating_ahead() else alone
-        if torch.get_num_threads() != want:
-            torch.set_num_threads(want)
-    held = [models.policy, models.teacher and models.teacher.copy, models.reference and models.reference.model,
-            models.discriminator and models.discriminator.model]
-    for module in held:
-        if isinstance(module, torch.nn.Module):
-            module.register_forward_pre_hook(switch)
 
 
 def kv_cache_tokens(cfg: Config, model_dir: str, tokenizer, rows: list, device) -> int:

@@ -29,7 +29,8 @@ from evaluate import baseline_evaluation, evaluate, evaluate_only, evaluate_star
 from logger import Logger, step_time
 from objectives import Dist
 from policy import Trainer, build_trainer, end_distributed, load_tokenizer, pad_token_id, setup_distributed
-from rollout import generate_and_score, rank0_call, share_cores, start_engine
+from processes import share_cores
+from rollout import generate_and_score, rank0_call, start_engine
 from sync import sync_engine
 from update import update_policy
 from warm_start import (gad_teacher_config, sft_rollouts, target_reached, teacher_data, tiny_model_dir,
@@ -73,7 +74,6 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
         if evaluate_now(0) and start_step == 0:
             metrics, first_eval = evaluate_start(engine, tokenizer, eval_rows, cfg, baseline, d)
             logger.log(0, metrics)
-
         batches = Batches(cfg, objective, engine, tokenizer, train_rows, d, ahead, trainer.models)
         progress = logger.progress(start_step, cfg.train.steps)
         checks = warm_start_checks(cfg, objective, tokenizer)  # rows and prompts, where a target may stop it

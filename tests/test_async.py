@@ -17,6 +17,7 @@ import torch
 
 import data
 import objectives
+import processes
 import rollout
 import run
 from objectives import OBJECTIVES, Models
@@ -33,7 +34,7 @@ def test_cpu_split_gives_each_side_every_core_in_turn_and_halves_them_side_by_si
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     for name in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    split = lambda *flags: rollout.cpu_split(run.parse_config(list(flags)))
+    split = lambda *flags: processes.cpu_split(run.parse_config(list(flags)))
     ahead = "--train.off_policy_steps=1"
     # (engine cores, trainer threads a rank while the engine generates beside it, and alone)
     assert split() == ([0, 1, 2, 3], 4, 4)
@@ -62,7 +63,7 @@ def test_share_cores_switches_the_trainers_threads_while_the_engine_generates_be
     engine, policy, copy = Engine(), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     threads = torch.get_num_threads()
     try:
-        rollout.share_cores(run.parse_config(["--train.off_policy_steps=1"]), engine,
+        processes.share_cores(run.parse_config(["--train.off_policy_steps=1"]), engine,
                             Models(policy, Teacher("ema", 0.1, copy)))
         for model in (policy, copy):
             torch.set_num_threads(1)
@@ -74,9 +75,9 @@ def test_share_cores_switches_the_trainers_threads_while_the_engine_generates_be
             assert torch.get_num_threads() == 4  # alone: every core
         # the synchronous loop, or a thread count the user set: no switch
         other = torch.nn.Linear(2, 2)
-        rollout.share_cores(run.parse_config([]), engine, Models(other))
+        processes.share_cores(run.parse_config([]), engine, Models(other))
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        rollout.share_cores(run.parse_config(["--train.off_policy_steps=1"]), engine, Models(other))
+        processes.share_cores(run.parse_config(["--train.off_policy_steps=1"]), engine, Models(other))
         torch.set_num_threads(3)
         other(torch.ones(2))
         assert torch.get_num_threads() == 3

@@ -391,7 +391,7 @@ class TestOwnProcess:
     @pytest.mark.skipif("VLLM_CPU_OMP_THREADS_BIND" in os.environ, reason="the user's binding wins")
     def test_every_thread_of_the_engine_keeps_to_its_cores(self, engine, prompts):
         # vLLM binds its worker's OpenMP threads alone; its scheduler and other threads would
-        # otherwise run on the trainer's cores (rollout._pin_threads)
+        # otherwise run on the trainer's cores (processes.pin_threads)
         engine.generate(prompts[:1], n=1, temperature=1.0, max_tokens=4, seed=0)  # threads made since keep to it too
         threads = [int(t) for pid in engine.processes for t in os.listdir(f"/proc/{pid}/task")]
         assert len(engine.processes) >= 1 and len(threads) > len(engine.processes)

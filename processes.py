@@ -1,0 +1,251 @@
+"""The engine's processes: starting them quiet, placing them on CPU cores, ending them with the run.
+
+vLLM's engine core and workers run in processes of their own (rollout.Engine). This file holds
+what a reader of the engine's calls need not read: the environment they start in (torchrun's
+variables hidden, vLLM's logging and harmless warnings quieted, the plugins made importable),
+the cores they compute on and the trainer's threads beside them (cpu_split, share_cores, thread
+pinning), and the reaper that ends them when the trainer dies without closing the engine.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from config import Config
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+# vLLM general plugins found on this path run in every process vLLM starts (vllm_plugins/).
+PLUGIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_plugins")
+VLLM_LOGGING = os.path.join(PLUGIN_DIR, "logging.json")
+USER_CONFIGURED_VLLM_LOGGING = bool({"VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING"} & set(os.environ)) or \
+    os.environ.get("VLLM_LOGGING_CONFIG_PATH", VLLM_LOGGING) != VLLM_LOGGING
+if not USER_CONFIGURED_VLLM_LOGGING:
+    # vLLM configures its logging only once an engine starts, so a warning at its import goes
+    # through Python's last-resort handler: "Triton is installed, but doesn't include CPU
+    # backend", about kernels a CPU engine does not use, once in the trainer and once in each
+    # engine process. Here, because those processes import the main script, and with it this
+    # module, before vLLM.
+    logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
+@contextlib.contextmanager
+def patched_env(set_vars: dict, remove_vars=()):
+    saved = {k: os.environ.get(k) for k in list(set_vars) + list(remove_vars)}
+    try:
+        for k in remove_vars:
+            os.environ.pop(k, None)
+        os.environ.update(set_vars)
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+REAPER = """
+import signal, sys, time, psutil
+def _running(p):
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the trainer decides
+processes = []
+for pid in sys.argv[1:]:
+    try:
+        processes.append(psutil.Process(int(pid)))  # remembers its start time: a reused pid is never hit
+    except psutil.Error:
+        pass
+sys.stdin.read()  # returns when the pipe closes: the trainer closed the engine, or died
+for p in processes:
+    try:
+        p.terminate()
+    except psutil.Error:
+        pass
+deadline = time.monotonic() + 3  # an engine has nothing to save: a short grace, then SIGKILL
+while processes and time.monotonic() < deadline:
+    # a zombie has exited (its parent, the trainer, reaps it): waiting on its pid would last the whole grace
+    processes = [p for p in processes if _running(p)]
+    time.sleep(0.05)
+for p in processes:
+    try:
+        p.kill()
+    except psutil.Error:
+        pass
+"""
+
+
+def start_reaper(processes: list):
+    """A small process that terminates `processes` once this process has gone (its stdin closes)."""
+    import subprocess
+    return subprocess.Popen([sys.executable, "-c", REAPER] + [str(p.pid) for p in processes],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+
+
+def descendants() -> set[int]:
+    import psutil
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def pin_threads(pid: int, cores: list[int]):
+    """Every thread of process pid that may run outside cores onto them (its later threads
+    inherit it). vLLM binds its CPU worker's OpenMP threads only, one to a core, which stays:
+    the engine core's scheduler and the other threads ran on any core, so an engine generating
+    beside the trainer (--train.off_policy_steps 1) took more than its share (docs/async.md)."""
+    with contextlib.suppress(OSError):  # a process or thread that has ended meanwhile
+        for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+            with contextlib.suppress(OSError):
+                if not os.sched_getaffinity(tid) <= set(cores):
+                    os.sched_setaffinity(tid, cores)
+
+
+def processes_since(before: set[int]) -> dict:
+    """pid -> (psutil.Process, name) of this process's descendants not in before, but
+    multiprocessing's resource tracker (not the engine's, and it outlives it)."""
+    import psutil
+    out = {}
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline()):
+                out[p.pid] = (p, p.name())
+    return out
+
+
+def alive(process) -> bool:
+    import psutil
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def quiet_vllm_logging():
+    """vLLM's own logging at WARNING (its ~60 INFO lines at start-up mean nothing to a user), and
+    warnings that are harmless here hidden (vllm_plugins/logging.json): "Failed to load weights" of
+    a layer the reload skips (every sync is proven by its probe), the CPU worker's LD_PRELOAD
+    hints, and start-up warnings about settings chosen here on purpose (eager mode, whole-prompt
+    prefill; the worker's "OMP_NUM_THREADS=N is set", which vLLM set itself for the cores it binds;
+    "force killing remaining process EngineCore" / "force killing sub process VLLM::Worker" at close,
+    which gives it 2 s on purpose; the logger of the second also holds start-up notes about
+    settings vLLM overrides itself). Only
+    where the user has not configured vLLM's logging (VLLM_LOGGING_LEVEL=INFO)."""
+    if not USER_CONFIGURED_VLLM_LOGGING:
+        os.environ["VLLM_LOGGING_CONFIG_PATH"] = VLLM_LOGGING
+
+
+def quiet_engine_processes() -> dict:
+    """The environment of the engine's processes, less three warnings that mean nothing to a
+    user: torch's deprecation of `reduce_op` as vLLM's Triton dispatcher scans every module;
+    the CPU worker's C++ note that it binds memory to its NUMA node (the binding it is given);
+    and, at exit, the resource tracker's "1 leaked shared_memory objects", vLLM's message-queue
+    buffer, which the tracker then removes. Where the user has not set PYTHONWARNINGS or
+    TORCH_CPP_LOG_LEVEL themselves."""
+    env = {}
+    if "PYTHONWARNINGS" not in os.environ:
+        env["PYTHONWARNINGS"] = ("ignore::FutureWarning:vllm.triton_utils.dispatcher,"
+                                 "ignore::UserWarning:multiprocessing.resource_tracker")
+    if "TORCH_CPP_LOG_LEVEL" not in os.environ and not torch.cuda.is_available():
+        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    return env
+
+
+def importable(env: dict, directory: str):
+    """Make directory's modules importable in every process vLLM starts."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else paths
+    if directory not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([directory] + paths)
+
+
+def use_plugins(env: dict):
+    """Make vllm_plugins/ visible to this process and to every process vLLM starts."""
+    if PLUGIN_DIR not in sys.path:
+        sys.path.insert(0, PLUGIN_DIR)
+    import no_torchvision
+    no_torchvision.apply()
+    importable(env, PLUGIN_DIR)
+
+
+def cpu_split(cfg: Config) -> tuple[list[int], int, int]:
+    """On CPU: (the cores the engine's worker computes on, each rank's torch threads while the
+    engine generates beside the trainer, and while it does not).
+
+    Two OpenMP pools on the same cores slow each other many times over: a thread waiting at a
+    barrier spins while the one it waits for is preempted by the other pool. In the synchronous
+    loop the engine and the trainer take turns, so each gets every core; with
+    --train.off_policy_steps 1 the engine generates on half of them while the trainer learns
+    on the rest, and the trainer takes every core again once that generation has ended
+    (share_cores). A thread count the user set (the flags, OMP_NUM_THREADS,
+    VLLM_CPU_OMP_THREADS_BIND) is kept.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    ahead = cfg.train.off_policy_steps > 0
+    engine = min(len(cores), cfg.rollout.cpu_threads or (max(1, len(cores) // 2) if ahead else len(cores)))
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    alone = max(1, len(cores) // ranks)
+    beside = max(1, (len(cores) - engine) // ranks) if ahead and engine < len(cores) else alone
+    if cfg.train.cpu_threads or "OMP_NUM_THREADS" in os.environ:
+        beside = alone = cfg.train.cpu_threads or torch.get_num_threads()
+    return cores[:engine], beside, alone
+
+
+def share_cores(cfg: Config, engine, models):
+    """--train.off_policy_steps 1 on CPU: before each forward of the trainer's models, its
+    threads are cpu_split's `beside` while the engine generates the next batch, and `alone`
+    once it has finished. A forward pre-hook, because an OpenMP thread count belongs to the
+    thread that sets it: the trainer's own thread must switch, between its forwards."""
+    if engine is None or cfg.train.off_policy_steps == 0 or torch.cuda.is_available():
+        return
+    _, beside, alone = cpu_split(cfg)
+    if beside == alone:
+        return
+
+    def switch(*_):
+        want = beside if engine.generating_ahead() else alone
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
+    held = [models.policy, models.teacher and models.teacher.copy, models.reference and models.reference.model,
+            models.discriminator and models.discriminator.model]
+    for module in held:
+        if isinstance(module, torch.nn.Module):
+            module.register_forward_pre_hook(switch)
+
+
+def engine_env(placement: str, own_process: bool, engine_gpu: int | None, cpu_cores: list[int] | None,
+               world_size: int) -> tuple[dict, list[int] | None]:
+    """(the environment the engine starts in, the cores its processes keep to on CPU or None)."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if own_process else "0"}
+    if placement == "separate" and torch.cuda.is_available():
+        # The engine takes the GPU after the trainers' (trainers on 0..N-1 of this node).
+        gpu = engine_gpu if engine_gpu is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
+    bound = None  # the cores the engine's processes keep to, on CPU
+    if not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # the user's wins
+        bound = cpu_cores or sorted(os.sched_getaffinity(0))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, bound))
+    env.update(quiet_engine_processes())
+    importable(env, ROOT)  # the workers load sync.WeightReceiver
+    return env, bound
+
+
+def supervise(before: set[int], bound: list[int] | None) -> tuple[dict, object]:
+    """The engine's processes started since before (pid -> (psutil.Process, name)), and a reaper
+    that ends them when this process ends without closing the engine (kill -9: vLLM's own
+    processes outlive their parent); on CPU their threads pinned to bound."""
+    started = processes_since(before)
+    reaper = start_reaper([p for p, _ in started.values()]) if started else None
+    for pid in started if bound else ():
+        pin_threads(pid, bound)
+    return started, reaper
