@@ -18,9 +18,8 @@ import torch.distributed as dist
 
 from config import Config
 from data import PathError
-from objectives import Dist
+from distributed import Dist, rank0_call
 from policy import Trainer
-from rollout import rank0_call
 from sync import full_state_dict
 
 # What a run writes into its out_dir that a second run there would mix with its own

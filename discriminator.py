@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import losses
-from teacher import full_tensor, reshard
+from distributed import full_tensor, reshard
 
 
 class Discriminator(torch.nn.Module):

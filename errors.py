@@ -11,6 +11,7 @@ class UserError(Exception):
     command line prints the message alone and exits with exit_code (run.py, `--debug` shows the
     traceback). A bug raises any other type and keeps its traceback."""
     exit_code = 1
+    kept_across_ranks = True  # distributed.rank0_call raises it on every rank as a UserError
 
 
 class FlagError(UserError, ValueError):

@@ -22,9 +22,9 @@ import sdpo
 import tasks
 from config import Config
 from logger import status
-from objectives import Dist
+from distributed import Dist, rank0_call
 from policy import load_policy, pad_token_id
-from rollout import generate_and_score, rank0_call, reward_function
+from rollout import generate_and_score, reward_function
 
 
 

@@ -21,7 +21,7 @@ import chunked_head
 import data
 import losses
 import sdpo
-from teacher import reshard
+from distributed import Dist, reshard
 
 
 # ----------------------------------------------------------------------------------------
@@ -65,14 +65,6 @@ class Models:
     teacher: object = None  # teacher.Teacher: SDPO's EMA / frozen / trust-region / live teacher
     reference: object = None  # teacher.Reference: DPO's frozen copy of the policy, refreshed every N steps
     discriminator: object = None  # discriminator.Critic: GAD's discriminator and its optimizer
-
-
-@dataclass
-class Dist:
-    """Where this process sits: its rank, the number of ranks, its device."""
-    rank: int
-    world: int
-    device: torch.device
 
 
 @dataclass

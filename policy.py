@@ -2,8 +2,6 @@
 NCCL on GPUs), the policy module (an HF causal LM whose forward ends in the loss's head),
 FSDP2 sharding, and the Trainer (the policy, the optional models an objective asks for,
 AdamW and its schedule)."""
-import gc
-import os
 from dataclasses import dataclass
 
 import torch
@@ -12,35 +10,9 @@ import torch.distributed as dist
 import data
 import discriminator
 from config import Config
-from objectives import Dist, Models
-from teacher import Reference, Teacher, local_tensor
-
-
-def setup_distributed() -> Dist:
-    """Under torchrun: gloo on CPU, NCCL on GPUs."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        from datetime import timedelta
-        # A dead peer must surface as an error, not an endless wait.
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
-    return Dist(dist.get_rank() if world > 1 else 0, world, device)
-
-
-def end_distributed(d: Dist):
-    """The end of a torchrun process: every rank here, then the process group destroyed.
-
-    Called once the models are out of scope: gc first, so that FSDP2's states and the
-    collectives' work handles caught in reference cycles are freed while the process group
-    is alive, not during interpreter teardown, where gloo's threads can abort the process.
-    """
-    if d.world > 1:
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
+from distributed import Dist, local_tensor
+from objectives import Models
+from teacher import Reference, Teacher
 
 
 class CausalLM(torch.nn.Module):

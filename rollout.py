@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from multiprocessing import resource_tracker
 
 import torch
-import torch.distributed as dist
 
 import data
 import feedback
 import sync
-from objectives import Dist, Rollout
+from distributed import Dist, rank0_call
+from objectives import Rollout
 from config import Config
 from logger import status
 from processes import (TORCHRUN_VARS, alive, cpu_split, descendants, engine_env, patched_env, quiet_vllm_logging,
@@ -39,6 +39,7 @@ KV_HEADROOM_TOKENS = 256  # two of vLLM's CPU KV blocks
 
 class EngineError(RuntimeError):
     """The engine died, timed out, or a weight sync did not arrive."""
+    kept_across_ranks = True  # distributed.rank0_call raises it on every rank as an EngineError
 
 
 @dataclass
@@ -454,43 +455,6 @@ def probe_logprobs(model, ids: list[int], images=None) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------
 # The run's calls to the engine: rank 0 holds it, every rank takes part in a sync
-
-
-def rank0_call(d: Dist, fn, share: bool = True):
-    """Run fn on rank 0 and hand its result (when share), or its error, to every rank (an
-    EngineError or a data.UserError stays one).
-
-    Without this, an engine that dies on rank 0 leaves the other ranks waiting forever.
-    """
-    rank, world = d.rank, d.world
-    result, error = None, None
-    if rank == 0:
-        try:
-            result = fn()
-        except Exception as e:  # re-raised below, on every rank
-            error = e
-            if world > 1:
-                # Now, not after unwinding: the other ranks exit first, and torchrun then stops
-                # this one while it closes the engine, before Python prints the traceback.
-                # A user's mistake: its message alone (run.cli prints no more of it).
-                import traceback
-                reported = isinstance(e, data.UserError)
-                if reported:
-                    e.reported = True
-                print(f"error: {e}" if reported else "rank 0 failed: " + "".join(traceback.format_exception(e)),
-                      file=sys.stderr, flush=True)
-    if world > 1:
-        box = [(result if share else None, None if error is None else f"{type(error).__name__}: {error}",
-                EngineError if isinstance(error, EngineError) else data.UserError
-                if isinstance(error, data.UserError) else RuntimeError)]
-        dist.broadcast_object_list(box, src=0)
-        shared, message, kind = box[0]
-        result = shared if share or rank != 0 else result
-        if message and rank != 0:
-            raise kind(f"rank 0 failed: {message}")
-    if error is not None:
-        raise error
-    return result
 
 
 def generate_and_score(engine, tokenizer, rows, cfg: Config, seed: int, n: int, temperature: float,

@@ -27,10 +27,10 @@ from config import Config, debugging, describe, parse_config
 from data import batch_rows, read_rows, stream_seed
 from evaluate import baseline_evaluation, evaluate, evaluate_only, evaluate_start, evaluation_due, success_rate
 from logger import Logger, step_time
-from objectives import Dist
-from policy import Trainer, build_trainer, end_distributed, load_tokenizer, pad_token_id, setup_distributed
+from distributed import Dist, end_distributed, rank0_call, setup_distributed
+from policy import Trainer, build_trainer, load_tokenizer, pad_token_id
 from processes import share_cores
-from rollout import generate_and_score, rank0_call, start_engine
+from rollout import generate_and_score, start_engine
 from sync import sync_engine
 from update import update_policy
 from warm_start import (gad_teacher_config, sft_rollouts, target_reached, teacher_data, tiny_model_dir,

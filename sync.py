@@ -33,9 +33,8 @@ import torch.distributed as dist
 import chunked_head
 import objectives
 import rollout
-from objectives import Dist
+from distributed import Dist, rank0_call, reshard
 from policy import CausalLM, pad_token_id
-from teacher import reshard
 
 
 # ----------------------------------------------------------------------------------------
@@ -346,7 +345,7 @@ def sync_engine(cfg, engine, policy, tokenizer, d: Dist, version: int) -> dict:
                 weights.done()  # the other ranks stop following
     if isinstance(weights, WeightStream) and d.rank != 0:
         weights.follow()
-    result = rollout.rank0_call(d, load)
+    result = rank0_call(d, load)
     moved = weights.bytes_moved if isinstance(weights, WeightStream) else \
         sum(t.numel() * t.element_size() for t in (weights or {}).values())
     return {"sync/seconds": time.perf_counter() - t0 - result.waited_s, "sync/probe_max_abs_diff": result.probe_max_abs_diff,

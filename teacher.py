@@ -18,24 +18,9 @@ policy every N steps (SPIN's iterations) or never.
 """
 import torch
 
+from distributed import full_tensor, local_tensor, reshard
+
 KINDS = ("ema", "frozen", "trust-region", "live")
-
-
-def local_tensor(p: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of an FSDP2 (DTensor) parameter, or the tensor itself."""
-    return p.to_local() if hasattr(p, "to_local") else p
-
-
-def reshard(module):
-    """Put an FSDP2 module's parameters back into shards. FSDP2 leaves the root unit
-    unsharded after a forward, expecting a backward; a no-grad forward never has one."""
-    if hasattr(module, "reshard"):
-        module.reshard()
-
-
-def full_tensor(p: torch.Tensor) -> torch.Tensor:
-    """The whole of a possibly sharded parameter (a collective under FSDP2: every rank calls it)."""
-    return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
 class Teacher:

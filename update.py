@@ -13,9 +13,9 @@ import torch.distributed as dist
 import objectives
 from config import Config
 from data import stream_seed
-from objectives import Dist, Models
+from distributed import Dist, full_tensor
+from objectives import Models
 from policy import CausalLM, Trainer
-from teacher import full_tensor
 
 
 

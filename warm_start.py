@@ -23,9 +23,10 @@ import tiny_models
 from config import AlgoConfig, Config, OptimConfig, RolloutConfig, TrainConfig
 from data import read_rows, stream_seed
 from evaluate import success_rate, teacher_context_ids
-from objectives import Dist, Rollout
+from distributed import Dist, rank0_call
+from objectives import Rollout
 from policy import load_tokenizer, pad_token_id
-from rollout import generate_and_score, rank0_call, start_engine
+from rollout import generate_and_score, start_engine
 
 # The code a warm start runs (an SFT run of the loop on the task's references, its prompts partly
 # SDPO teacher contexts with the checkers' feedback), beyond the tiny model's tiny_models.TINY_SOURCES:

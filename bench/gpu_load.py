@@ -52,7 +52,7 @@ except ImportError:
 import policy  # noqa: E402
 from config import Config  # noqa: E402
 from gpu_update import add_model_args, model_config  # noqa: E402
-from teacher import full_tensor  # noqa: E402
+from distributed import full_tensor  # noqa: E402
 
 GB = 1e9
 

@@ -72,7 +72,8 @@ import objectives  # noqa: E402
 import policy  # noqa: E402
 import run  # noqa: E402
 import update  # noqa: E402
-from objectives import Dist, Rollout  # noqa: E402
+from distributed import Dist  # noqa: E402
+from objectives import Rollout  # noqa: E402
 from policy import CausalLM, load_policy  # noqa: E402
 from update import rank_micro_batches  # noqa: E402
 

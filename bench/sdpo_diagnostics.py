@@ -92,14 +92,14 @@ def fixed_batch(args, cfg, model, tokenizer, train_rows, heldout_rows) -> dict:
     """The saved batch (<out>/batch.json), sampled on first use: the training samples, the
     held-out samples, and the copy test's greedy answers (their prompts depend on the first)."""
     import data
-    import objectives
     import rollout
+    from distributed import Dist
     path = os.path.join(args.out, "batch.json")
     if os.path.exists(path) and not args.regenerate:
         with open(path) as f:
             return json.load(f)
     t0 = time.time()
-    engine = rollout.start_engine(cfg, model, tokenizer, train_rows, objectives.Dist(0, 1, torch.device("cpu")))
+    engine = rollout.start_engine(cfg, model, tokenizer, train_rows, Dist(0, 1, torch.device("cpu")))
     try:
         t1 = time.time()
         rows = data.batch_rows(train_rows, 0, args.prompts, 0)  # bench/real_model.py's first step, seed 0

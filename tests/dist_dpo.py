@@ -23,7 +23,8 @@ def main(out_dir, d):
     import run
     import tiny_models
     from objectives import OBJECTIVES, Models, prepare_pairs
-    from teacher import Reference, full_tensor
+    from distributed import full_tensor
+    from teacher import Reference
     from test_dpo import TWO_RANK_FLAGS, TWO_RANK_REWARDS, _scored, dpo_config
     from test_run import NoSchedule, _policy
     from policy import shard

@@ -25,7 +25,7 @@ def main(model_dir, out_dir, d):
     import losses
     import run
     from policy import CausalLM, _auto_class, _vision, copy_policy, load_policy, shard
-    from teacher import full_tensor
+    from distributed import full_tensor
 
     cfg = run.Config()
     tokenizer = run.load_tokenizer(model_dir)

@@ -1,0 +1,103 @@
+"""The distributed setup: where a process sits (Dist), torchrun's process group, rank 0's calls, FSDP2 helpers.
+
+Under torchrun the ranks train one policy sharded with FSDP2 (gloo on CPU, NCCL on GPUs); rank 0
+alone holds the engine, and rank0_call hands what it computes, or its error, to every rank.
+"""
+import gc
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from errors import UserError
+
+
+@dataclass
+class Dist:
+    """Where this process sits: its rank, the number of ranks, its device."""
+    rank: int
+    world: int
+    device: torch.device
+
+
+def setup_distributed() -> Dist:
+    """Under torchrun: gloo on CPU, NCCL on GPUs."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        from datetime import timedelta
+        # A dead peer must surface as an error, not an endless wait.
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
+    return Dist(dist.get_rank() if world > 1 else 0, world, device)
+
+
+def end_distributed(d: Dist):
+    """The end of a torchrun process: every rank here, then the process group destroyed.
+
+    Called once the models are out of scope: gc first, so that FSDP2's states and the
+    collectives' work handles caught in reference cycles are freed while the process group
+    is alive, not during interpreter teardown, where gloo's threads can abort the process.
+    """
+    if d.world > 1:
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def rank0_call(d: Dist, fn, share: bool = True):
+    """Run fn on rank 0 and hand its result (when share), or its error, to every rank: as the
+    nearest of its classes that says `kept_across_ranks` (rollout.EngineError, errors.UserError),
+    else as a RuntimeError.
+
+    Without this, an engine that dies on rank 0 leaves the other ranks waiting forever.
+    """
+    rank, world = d.rank, d.world
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = fn()
+        except Exception as e:  # re-raised below, on every rank
+            error = e
+            if world > 1:
+                # Now, not after unwinding: the other ranks exit first, and torchrun then stops
+                # this one while it closes the engine, before Python prints the traceback.
+                # A user's mistake: its message alone (run.cli prints no more of it).
+                import traceback
+                reported = isinstance(e, UserError)
+                if reported:
+                    e.reported = True
+                print(f"error: {e}" if reported else "rank 0 failed: " + "".join(traceback.format_exception(e)),
+                      file=sys.stderr, flush=True)
+    if world > 1:
+        kind = next((c for c in type(error).__mro__ if "kept_across_ranks" in vars(c)), RuntimeError)
+        box = [(result if share else None, None if error is None else f"{type(error).__name__}: {error}", kind)]
+        dist.broadcast_object_list(box, src=0)
+        shared, message, kind = box[0]
+        result = shared if share or rank != 0 else result
+        if message and rank != 0:
+            raise kind(f"rank 0 failed: {message}")
+    if error is not None:
+        raise error
+    return result
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 (DTensor) parameter, or the tensor itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def reshard(module):
+    """Put an FSDP2 module's parameters back into shards. FSDP2 leaves the root unit
+    unsharded after a forward, expecting a backward; a no-grad forward never has one."""
+    if hasattr(module, "reshard"):
+        module.reshard()
+
+
+def full_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The whole of a possibly sharded parameter (a collective under FSDP2: every rank calls it)."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
