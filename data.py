@@ -1,4 +1,4 @@
-"""Rows: user data files and their checks, tokenisation and packing, image prompts, step order.
+"""Rows: user data files and their checks, chat templating and prompt truncation, step order.
 
 The synthetic tasks' rows come from tasks/ (data.task_rows is tasks.task_rows).
 
@@ -22,9 +22,9 @@ import os
 import random
 import sys
 import zlib
-from dataclasses import dataclass
 
 from errors import DataError, FlagError, PathError, UserError  # noqa: F401 (callers raise them as data.*)
+from image_prompts import VISION_TOKENS
 from tasks import TASKS, split_of, task_rows  # noqa: F401 (the tests and benches call data.task_rows)
 
 # ----------------------------------------------------------------------------------------
@@ -419,7 +419,7 @@ def humaneval_rows(problems: list[dict]) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------
-# Tokenisation: chat template, prompt truncation, padding.
+# Tokenisation: chat template, prompt truncation.
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], max_len: int = 0) -> list[int]:
@@ -469,129 +469,6 @@ def truncate_middle(ids: list[int], max_len: int, keep_tail: int = 0) -> list[in
     return list(ids[:head]) + list(ids[len(ids) - (room - head) - keep_tail:])
 
 
-def pad(seqs: list[list[int]], pad_id: int, min_width: int = 0, left: bool = True):
-    """Padded [B, L] input ids and attention mask (LongTensor): on the left for prompt
-    batches, on the right (left=False) for rows that continue a left-padded batch's cache."""
-    import torch
-    width = max(max(len(s) for s in seqs), min_width)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            where = slice(width - len(s), None) if left else slice(0, len(s))
-            ids[i, where] = torch.tensor(s)
-            mask[i, where] = 1
-    return ids, mask
-
-
-def pack_responses(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu"):
-    """Right-padded batch of prompt+response sequences, and where their responses are:
-    (input_ids [B, L], attention_mask [B, L], hidden_index [N], targets [N], token_index [N]),
-    as in Packed; R = max response length, N = sum(response_lens)."""
-    import torch
-    width = max(len(s) for s in seqs)
-    resp_width = max(max(response_lens), 1)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    hidden_index, token_index, targets = [], [], []
-    for b, (s, r) in enumerate(zip(seqs, response_lens)):
-        if r >= len(s):
-            raise ValueError(f"sequence {b}: response length {r} leaves no prompt token (length {len(s)})")
-        ids[b, :len(s)] = torch.tensor(s)
-        mask[b, :len(s)] = 1
-        start = len(s) - r
-        hidden_index += range(b * width + start - 1, b * width + len(s) - 1)
-        token_index += range(b * resp_width, b * resp_width + r)
-        targets += s[start:]
-    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)
-    return ids.to(device), mask.to(device), as_long(hidden_index), as_long(targets), as_long(token_index)
-
-
-@dataclass
-class Packed:
-    """Prompt+response sequences laid out for the model, and where their responses are.
-
-    input_ids, attention_mask [B, L]; hidden_index [N]: positions in the flattened [B*L]
-    hidden states that predict each response token; targets [N]: the response tokens;
-    token_index [N]: their positions in the [B, R] right-padded response matrix (`shape`).
-    prefix: None, or prompts shared by several sequences, run once (pack_shared_prefix): a
-    chain of levels (ids [P, Lp], mask [P, Lp], rows: which of this level's P rows each row
-    of the next level, or each sequence after the last level, extends).
-    images: None, or each sequence's pictures (a list, maybe empty), in the order of their
-    expanded image tokens; image_mask [B, L]: True at those tokens (not at image tokens the
-    model generated). The model turns them into pixel inputs (ImagePrompts.pixel_inputs).
-    """
-    input_ids: "torch.Tensor"
-    attention_mask: "torch.Tensor"
-    hidden_index: "torch.Tensor"
-    targets: "torch.Tensor"
-    token_index: "torch.Tensor"
-    shape: tuple
-    prefix: list | None = None
-    images: list | None = None
-    image_mask: "torch.Tensor | None" = None
-
-
-def pack(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu", images: list | None = None,
-         image_masks: list | None = None) -> Packed:
-    """Right-padded sequences whose last response_lens[i] tokens are the response.
-    images, image_masks: each sequence's pictures and where their tokens are (see Packed)."""
-    ids, mask, hidden_index, targets, token_index = pack_responses(seqs, response_lens, pad_id, device)
-    packed = Packed(ids, mask, hidden_index, targets, token_index, (len(seqs), max(max(response_lens), 1)))
-    if images and any(images):
-        import torch
-        packed.images = [list(im or []) for im in images]
-        packed.image_mask = torch.zeros_like(ids, dtype=torch.bool)
-        for b, m in enumerate(image_masks):
-            packed.image_mask[b, :len(m)] = torch.tensor(m, dtype=torch.bool)
-    return packed
-
-
-def pack_shared_prefix(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu",
-                       groups: list | None = None) -> Packed:
-    """Like pack() for sequences many of which share their prompt: each distinct prompt
-    (less its last token) once, left-padded, as the prefix; every sequence's suffix (its
-    prompt's last token and response, right-padded) attends to its prefix's KV cache.
-    The response positions are the same as pack()'s: one hidden state per response token.
-
-    groups: a key per sequence (its prompt row's uid, for SDPO's teacher prompts, which share
-    the question and differ in demonstration and feedback): the distinct prompts of a group
-    then run their longest common prefix once, then each its rest, right-padded: a chain of
-    two prefix levels (30% fewer teacher tokens on the default job)."""
-    import torch
-    prompts, row, keys = {}, [], {}
-    for s, r, g in zip(seqs, response_lens, groups or [None] * len(seqs)):
-        row.append(prompts.setdefault(tuple(s[:len(s) - r - 1]), len(prompts)))
-        keys.setdefault(row[-1], g)
-    distinct = list(prompts)
-    levels = []
-    level = lambda ids, mask, rows: (ids.to(device), mask.to(device), torch.tensor(rows, dtype=torch.long, device=device))
-    if groups is not None:
-        members = {}
-        for i, p in enumerate(distinct):
-            members.setdefault(keys[i], []).append(p)
-        # a group's common part, short of each member's last token: every rest keeps one
-        cut = {g: max(0, min(len(os.path.commonprefix(ps)), min(map(len, ps)) - 1)) for g, ps in members.items()}
-        stems = {}
-        parent = [stems.setdefault(p[:cut[keys[i]]], len(stems)) for i, p in enumerate(distinct)]
-        stem_ids, stem_mask = pad([list(p) for p in stems], pad_id, min_width=1)
-        levels.append(level(stem_ids, stem_mask, parent))
-        distinct_ids, distinct_mask = pad([list(p[cut[keys[i]]:]) for i, p in enumerate(distinct)], pad_id,
-                                          min_width=1, left=False)
-    else:
-        distinct_ids, distinct_mask = pad([list(p) for p in distinct], pad_id, min_width=1)
-    levels.append(level(distinct_ids, distinct_mask, row))
-    packed = pack([s[len(s) - r - 1:] for s, r in zip(seqs, response_lens)], response_lens, pad_id, device)
-    packed.prefix = levels
-    return packed
-
-
-def to_matrix(values, packed: Packed):
-    """Per-token values [N] -> the [B, R] right-padded response matrix (zeros elsewhere)."""
-    out = values.new_zeros(packed.shape[0] * packed.shape[1])
-    return out.index_copy(0, packed.token_index, values).view(packed.shape)
-
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 MODEL_DIR = ("a model directory holds config.json, a tokenizer (tokenizer.json, tokenizer_config.json or "
              "tokenizer.model) and weights (*.safetensors or *.bin), as save_pretrained writes them")
@@ -613,113 +490,6 @@ def check_model_dir(path: str, flag: str = "--model.path") -> str:
     if missing:
         raise DataError(f"{flag} {path}: no {', no '.join(missing)}; {MODEL_DIR}")
     return path
-
-
-# ----------------------------------------------------------------------------------------
-# Image prompts as the model sees them. A chat prompt holds one <|image_pad|> per image; the
-# engine (vLLM) and the trainer both replace it by one token per merged 2x2 patch of the
-# resized image, and the model puts the vision tower's outputs there.
-
-
-VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]  # Qwen2-VL's
-
-
-def is_vision_language(model_dir: str) -> bool:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return "vision_config" in json.load(f)
-
-
-@dataclass
-class ImageInputs:
-    """What a vision-language forward takes besides the text: the ids with every image's
-    placeholder expanded, and the processed images."""
-    input_ids: list[int]
-    pixel_values: "torch.Tensor"  # [patches, channels * temporal_patch * patch * patch]
-    image_grid_thw: "torch.Tensor"  # [images, 3] patches along time, height, width
-    mm_token_type_ids: list[int]  # 1 at image tokens; Qwen2.5-VL's 3-D rope positions need it
-
-
-class ImagePrompts:
-    """The model directory's image processor and image token, and what a prompt becomes: the
-    same pixels and ids the engine sees (vllm_plugins/no_torchvision.py), with the
-    mm_token_type_ids Qwen2.5-VL's 3-D rope positions need (docs/data.md, Images)."""
-
-    def __init__(self, model_dir: str):
-        from transformers import AutoImageProcessor
-        with open(os.path.join(model_dir, "config.json")) as f:
-            config = json.load(f)
-        if "image_token_id" not in config:
-            raise ValueError(f"{model_dir}: not a vision-language model (config.json has no image_token_id)")
-        self.image_token_id = config["image_token_id"]
-        self.processor = AutoImageProcessor.from_pretrained(model_dir)
-        self.merge = self.processor.merge_size
-
-    def tokens_per_image(self, image) -> int:
-        return self.processor.get_number_of_image_patches(image.height, image.width) // self.merge ** 2
-
-    def expand(self, ids: list[int], images: list) -> tuple[list[int], list[int]]:
-        """(ids with each picture's one placeholder token repeated once per merged patch
-        group, 1 at those tokens else 0). The pictures' tokens are the first len(images) runs
-        of image tokens: ids already expanded (the engine's) come back unchanged. Image tokens
-        after them are text the model generated (vLLM embeds them as text, and so does
-        the trainer: run.CausalLM). A run of another length is an error."""
-        sizes, runs, i = [self.tokens_per_image(im) for im in images], [], 0
-        while i < len(ids) and len(runs) < len(images):
-            if ids[i] == self.image_token_id:
-                j = i
-                while j < len(ids) and ids[j] == self.image_token_id:
-                    j += 1
-                runs.append((i, j))
-                i = j
-            else:
-                i += 1
-        lengths = [j - i for i, j in runs]
-        if lengths == sizes or lengths == [1] * len(images):
-            out, mask, start = [], [], 0
-            for (i, j), size in zip(runs, sizes):
-                out += list(ids[start:i]) + [self.image_token_id] * size
-                mask += [0] * (i - start) + [1] * size
-                start = j
-            return out + list(ids[start:]), mask + [0] * (len(ids) - start)
-        raise ValueError(f"a sequence's image tokens come in runs of {lengths}, but its {len(images)} pictures need "
-                         f"runs of 1 (one placeholder each) or of {sizes} (expanded)")
-
-    def blank(self) -> tuple:
-        """([1, L] image mask, [[picture]]): a black square of the smallest size the
-        processor keeps, for forwards that must run the vision tower."""
-        from PIL import Image
-        side = self.processor.patch_size * self.merge
-        picture = Image.new("RGB", (side, side))
-        return [self.expand([self.image_token_id], [picture])[1]], [[picture]]
-
-    def pixel_inputs(self, image_mask, images: list) -> dict:
-        """Pixel values [patches, C*T*P*P] and grids [pictures, 3] of every sequence's pictures,
-        concatenated in row order: the order of the masked tokens in the flattened batch, which
-        is where they go. image_mask [B, L]: 1 at the pictures' tokens."""
-        import torch
-        flat = [im for row in images for im in row]
-        expected = sum(self.tokens_per_image(im) for im in flat)
-        if int(torch.as_tensor(image_mask).sum()) != expected:
-            raise ValueError(f"the batch has {int(torch.as_tensor(image_mask).sum())} picture tokens, its pictures "
-                             f"need {expected}")
-        unique = {id(im): im for im in flat}  # a prompt's samples share its picture objects: process each once
-        features = self.processor(images=list(unique.values()), return_tensors="pt")
-        chunks = features["pixel_values"].split(features["image_grid_thw"].prod(-1).tolist())
-        index = {key: i for i, key in enumerate(unique)}
-        order = [index[id(im)] for im in flat]
-        return {"pixel_values": torch.cat([chunks[i] for i in order]), "image_grid_thw": features["image_grid_thw"][order]}
-
-    def __call__(self, prompt_ids: list[int], images: list) -> ImageInputs:
-        """prompt_ids hold one image token per image, in the order of images."""
-        count = sum(t == self.image_token_id for t in prompt_ids)
-        if count != len(images):
-            raise ValueError(f"the prompt has {count} image tokens but {len(images)} images were given")
-        ids, mask = self.expand(prompt_ids, images)
-        if not images:
-            import torch
-            return ImageInputs(ids, torch.zeros(0), torch.zeros(0, 3, dtype=torch.long), mask)
-        inputs = self.pixel_inputs([mask], [images])
-        return ImageInputs(ids, inputs["pixel_values"], inputs["image_grid_thw"], mask)
 
 
 # ----------------------------------------------------------------------------------------

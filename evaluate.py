@@ -14,10 +14,11 @@ import sys
 
 import torch
 
-import data
 import feedback
 import chunked_head
+import microbatch
 import objectives
+import packing
 import sdpo
 import tasks
 from config import Config
@@ -185,8 +186,8 @@ def context_entropies(engine, tokenizer, rows, cfg: Config, model_dir: str, devi
         """(log-probs, entropies) of each sequence's response tokens."""
         out, size = [], cfg.train.micro_batch
         for i in range(0, len(seqs), size):
-            packed = data.pack(seqs[i:i + size], response_lens[i:i + size], pad_id, device)
-            lp, ent = objectives.forward(model, packed, lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(
+            packed = packing.pack(seqs[i:i + size], response_lens[i:i + size], pad_id, device)
+            lp, ent = microbatch.forward(model, packed, lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(
                 h, w, packed.targets, cfg.rollout.temperature, cfg.sdpo.chunk_size))
             ends = torch.tensor(response_lens[i:i + size]).cumsum(0).tolist()
             out += [(lp[e - n:e], ent[e - n:e]) for n, e in zip(response_lens[i:i + size], ends)]

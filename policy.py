@@ -7,11 +7,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import data
 import discriminator
+import image_prompts
+import packing
 from config import Config
 from distributed import Dist, local_tensor
-from objectives import Models
+from microbatch import Models
 from teacher import Reference, Teacher
 
 
@@ -22,15 +23,15 @@ class CausalLM(torch.nn.Module):
     weight unsharded while the loss uses it, and reduce-scatters its gradient after.
     """
 
-    def __init__(self, hf, vision: data.ImagePrompts | None = None):
+    def __init__(self, hf, vision: image_prompts.ImagePrompts | None = None):
         super().__init__()
         self.hf = hf
         self.vision = vision  # a vision-language model's image processor; None for a text model
         self.sharded = False  # FSDP2 (set by shard)
 
-    def forward(self, packed: data.Packed, head):
+    def forward(self, packed: packing.Packed, head):
         """Hidden states at packed's response positions, through head. packed.prefix: prompts
-        shared by several sequences (data.pack_shared_prefix), run once, their KV cache
+        shared by several sequences (packing.pack_shared_prefix), run once, their KV cache
         copied to each sequence's row. packed.images: the sequences' pictures (see embed)."""
         if packed.images and self.vision is None:
             raise ValueError("sequences with images need a vision-language model")
@@ -49,11 +50,11 @@ class CausalLM(torch.nn.Module):
         weight = self.hf.lm_head.weight
         return not self.sharded and weight.device.type == "cuda" and weight.dtype == torch.float32
 
-    def response_hidden(self, packed: data.Packed) -> torch.Tensor:
+    def response_hidden(self, packed: packing.Packed) -> torch.Tensor:
         """The last hidden states [N, H] at packed's response positions."""
         if self.vision is not None:
             if packed.prefix is not None:
-                raise ValueError("a vision-language model runs without a shared prefix (objectives.pack)")
+                raise ValueError("a vision-language model runs without a shared prefix (microbatch.pack)")
             hidden = self.hf.model(attention_mask=packed.attention_mask, **self.embed(packed)).last_hidden_state
             return hidden.flatten(0, 1)[packed.hidden_index]
         past, seen = None, None  # the KV cache so far, and which of its positions hold tokens
@@ -78,7 +79,7 @@ class CausalLM(torch.nn.Module):
                             use_cache=not last or past is not None)
         return out.last_hidden_state if last else (out.past_key_values, mask)
 
-    def embed(self, packed: data.Packed) -> dict:
+    def embed(self, packed: packing.Packed) -> dict:
         """A vision-language model's inputs: token embeddings with the vision tower's outputs
         in place of the pictures' tokens (packed.image_mask), and Qwen2-VL's 3-D rope
         positions. Built here rather than by the HF forward, which would put picture features
@@ -172,12 +173,12 @@ def _auto_class(model_dir: str):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # a bar per model loaded says nothing
-    return AutoModelForImageTextToText if data.is_vision_language(model_dir) else AutoModelForCausalLM
+    return AutoModelForImageTextToText if image_prompts.is_vision_language(model_dir) else AutoModelForCausalLM
 
 
 def _vision(model_dir: str):
     """A vision-language model's image processor; None for a text model."""
-    return data.ImagePrompts(model_dir) if data.is_vision_language(model_dir) else None
+    return image_prompts.ImagePrompts(model_dir) if image_prompts.is_vision_language(model_dir) else None
 
 
 def shard(model: CausalLM, world: int, device):

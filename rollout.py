@@ -5,7 +5,7 @@ theirs; its core runs in its own process (torchrun's variables hidden from it) e
 single process on a GPU (its processes' environment, CPU cores and reaper: processes.py). Every weight sync is proven: the engine scores a fixed probe
 sequence (with a picture for a vision-language model) and must match the trainer's log-probs
 of it (docs/sync.md). Image prompts are token ids with one image token per picture; a
-Sample's prompt_ids are the engine's expanded ids (data.ImagePrompts).
+Sample's prompt_ids are the engine's expanded ids (image_prompts.ImagePrompts).
 """
 import contextlib
 import functools
@@ -25,7 +25,7 @@ import data
 import feedback
 import sync
 from distributed import Dist, rank0_call
-from objectives import Rollout
+from microbatch import Rollout
 from config import Config
 from logger import status
 from processes import (TORCHRUN_VARS, alive, cpu_split, descendants, engine_env, patched_env, quiet_vllm_logging,
@@ -441,7 +441,7 @@ def image_probe(tokenizer) -> tuple[list[int], list]:
 @torch.no_grad()
 def probe_logprobs(model, ids: list[int], images=None) -> torch.Tensor:
     """The trainer's log p(token_t | tokens_<t), t = 1.., in float32 (every FSDP rank calls
-    this). images: the probe's data.ImageInputs (then ids are ignored for images.input_ids)."""
+    this). images: the probe's image_prompts.ImageInputs (then ids are ignored for images.input_ids)."""
     device = next(model.parameters()).device
     extra = {}
     if images is not None:

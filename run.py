@@ -19,6 +19,7 @@ import time
 import torch
 
 import data
+import microbatch
 import objectives
 import tasks
 from checkpoint import (check_out_dir, checkpoint_path, drop_empty_run_dirs, load_checkpoint, run_dir, save_checkpoint,
@@ -134,7 +135,7 @@ class Batches:
     """
 
     def __init__(self, cfg: Config, objective, engine, tokenizer, train_rows: list, d: Dist, ahead=None,
-                 models: objectives.Models | None = None):
+                 models: microbatch.Models | None = None):
         self.cfg, self.objective, self.engine, self.train_rows, self.d = cfg, objective, engine, train_rows, d
         self.generates_ahead = cfg.train.off_policy_steps > 0 and not objective.references
         if self.generates_ahead and models is not None:

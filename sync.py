@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import chunked_head
-import objectives
+import microbatch
 import rollout
 from distributed import Dist, rank0_call, reshard
 from policy import CausalLM, pad_token_id
@@ -329,11 +329,11 @@ def sync_engine(cfg, engine, policy, tokenizer, d: Dist, version: int) -> dict:
     probe, pictures = rollout.image_probe(tokenizer) if policy.vision is not None else \
         (rollout.probe_ids(tokenizer), None)
     scored = policy.vision.expand(probe, pictures)[0] if pictures else probe  # the engine scores the expanded ids
-    packed = objectives.pack(policy, [scored], [len(scored) - 1], pad_token_id(tokenizer), d.device,
+    packed = microbatch.pack(policy, [scored], [len(scored) - 1], pad_token_id(tokenizer), d.device,
                              images=[pictures] if pictures else None)
     with torch.no_grad():
         head = lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(h, w, packed.targets)[0]
-        probe_lp = objectives.forward(policy, packed, head)
+        probe_lp = microbatch.forward(policy, packed, head)
     reshard(policy)
     tol = cfg.rollout.sync_tol or (1e-3 if dtype == "float32" else 1.0)
 

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-from data import VISION_TOKENS
+from image_prompts import VISION_TOKENS
 from tasks import TASKS, TaskConfig, task_rows
 from tasks.strops import OPS
 

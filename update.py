@@ -10,11 +10,12 @@ import random
 import torch
 import torch.distributed as dist
 
+import microbatch
 import objectives
 from config import Config
 from data import stream_seed
 from distributed import Dist, full_tensor
-from objectives import Models
+from microbatch import Models
 from policy import CausalLM, Trainer
 
 
@@ -85,8 +86,8 @@ def before_update_logprobs(cfg: Config, policy, rollouts: list, units: list, pad
     if cfg.train.mini_batches == 1:
         return None
     trained = sorted(i for unit in units for i in unit)
-    logprobs = objectives.response_logprobs(policy, [rollouts[i] for i in trained], pad_id, d, cfg.train.micro_batch,
-                                            cfg.rollout.temperature, objectives.share_prompts(cfg))
+    logprobs = microbatch.response_logprobs(policy, [rollouts[i] for i in trained], pad_id, d, cfg.train.micro_batch,
+                                            cfg.rollout.temperature, microbatch.share_prompts(cfg))
     out = [None] * len(rollouts)
     for i, values in zip(trained, logprobs):
         out[i] = values
@@ -101,11 +102,11 @@ def accumulate_gradients(cfg: Config, objective, models: Models, rollouts: list,
     total, finite = 0.0, True
     # FSDP2 gathers a layer's weights again for the backward of that layer's outputs; a shared
     # prompt's KV cache reaches the loss around them, so a sharded policy runs each sequence whole.
-    shared_prefix = objectives.share_prompts(cfg) and isinstance(models.policy, CausalLM) and not models.policy.sharded
+    shared_prefix = microbatch.share_prompts(cfg) and isinstance(models.policy, CausalLM) and not models.policy.sharded
     for j, part in enumerate(micro):
         with no_sync_unless(models.policy, d.world, last=j == len(micro) - 1):
             if part:
-                mb = objectives.micro_batch(models.policy, [rollouts[i] for i in part], counts, pad_id, d.device,
+                mb = microbatch.micro_batch(models.policy, [rollouts[i] for i in part], counts, pad_id, d.device,
                                             None if old_logprobs is None else [old_logprobs[i] for i in part], d.world,
                                             shared_prefix)
                 loss, mb_stats = objective.loss(mb, models, cfg)
@@ -144,7 +145,7 @@ def idle_loss(cfg: Config, models: Models, pad_id: int, d: Dist):
     a teacher, through its forwards (collectives too)."""
     if models.teacher is not None and models.teacher.reads_policy:
         objectives.teacher_hidden_states(cfg, models, [], pad_id, d.device, d.world)
-    return objectives.idle_forward(models.policy, pad_id, d.device, lambda h, w: (h @ w.T).sum() * 0.0)
+    return microbatch.idle_forward(models.policy, pad_id, d.device, lambda h, w: (h @ w.T).sum() * 0.0)
 
 
 def mini_batch_units(rollouts: list, objective, shuffle_samples: bool = False) -> list[list[int]]:

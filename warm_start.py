@@ -17,14 +17,14 @@ import random
 import shutil
 
 import data
-import objectives
+import microbatch
 import tasks
 import tiny_models
 from config import AlgoConfig, Config, OptimConfig, RolloutConfig, TrainConfig
 from data import read_rows, stream_seed
 from evaluate import success_rate, teacher_context_ids
 from distributed import Dist, rank0_call
-from objectives import Rollout
+from microbatch import Rollout
 from policy import load_tokenizer, pad_token_id
 from rollout import generate_and_score, start_engine
 
@@ -136,7 +136,7 @@ def reference_success(cfg: Config, policy, tokenizer, rows: list[dict], d: Dist,
                                                                  "--train.warm_start_target"),
                         rollout_logprobs=[], text=row["reference"], truncated=False, generated=False)
                 for row, prompt in zip(rows, prompts)]
-    logprobs = objectives.response_logprobs(policy, rollouts, pad_token_id(tokenizer), d, cfg.train.micro_batch,
+    logprobs = microbatch.response_logprobs(policy, rollouts, pad_token_id(tokenizer), d, cfg.train.micro_batch,
                                             cfg.rollout.eval_temperature)
     return sum(math.exp(sum(values)) for values in logprobs) / max(len(logprobs), 1)
 

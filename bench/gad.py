@@ -91,8 +91,9 @@ def teacher_nll(teacher, rollouts: list, cfg) -> float:
     (a finished response ends with the teacher's EOS), at temperature 1."""
     import torch
     import data
+    import microbatch
+    import packing
     import chunked_head
-    import objectives
     model, tokenizer = teacher
     total, tokens = 0.0, 0
     with torch.no_grad():
@@ -102,9 +103,9 @@ def teacher_nll(teacher, rollouts: list, cfg) -> float:
             responses = [tokenizer(r.text, add_special_tokens=False)["input_ids"] +
                          ([] if r.truncated else [tokenizer.eos_token_id]) for r in part]
             keep = [j for j, resp in enumerate(responses) if resp]
-            packed = data.pack([prompts[j] + responses[j] for j in keep], [len(responses[j]) for j in keep],
+            packed = packing.pack([prompts[j] + responses[j] for j in keep], [len(responses[j]) for j in keep],
                                tokenizer.pad_token_id, "cpu")
-            logprobs = objectives.forward(model, packed, lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(
+            logprobs = microbatch.forward(model, packed, lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(
                 h, w, packed.targets)[0])
             total -= logprobs.sum().item()
             tokens += logprobs.numel()

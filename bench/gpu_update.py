@@ -8,7 +8,7 @@
 No engine (no vLLM) and no download: a Qwen2-shaped model with random weights is written once
 to a temporary HF directory (--hidden/--layers/... ; the defaults are Qwen2.5-0.5B's shape),
 and a synthetic rollout batch is built in the structures run.py's loop hands to the update
-(objectives.Rollout: prompt and response ids, engine log-probs, rewards; GRPO's advantages from
+(microbatch.Rollout: prompt and response ids, engine log-probs, rewards; GRPO's advantages from
 objectives.prepare_advantages; SDPO's teacher contexts laid out as sdpo.build_teacher_batch lays
 them out: the prompt, the first successful sibling's response as the demonstration, a lone
 success with none, feedback for a failure without one, then the student's response ids). What
@@ -67,13 +67,14 @@ try:  # run.py names tyro in one annotation; a machine without it can still run 
     import tyro  # noqa: F401
 except ImportError:
     sys.modules["tyro"] = types.SimpleNamespace(conf=types.SimpleNamespace(arg=lambda **kwargs: None))
-import data  # noqa: E402
+import microbatch  # noqa: E402
 import objectives  # noqa: E402
+import packing  # noqa: E402
 import policy  # noqa: E402
 import run  # noqa: E402
 import update  # noqa: E402
 from distributed import Dist  # noqa: E402
-from objectives import Rollout  # noqa: E402
+from microbatch import Rollout  # noqa: E402
 from policy import CausalLM, load_policy  # noqa: E402
 from update import rank_micro_batches  # noqa: E402
 
@@ -258,7 +259,7 @@ def update_flops(shapes: dict, rollouts: list, cfg, algo: str) -> dict:
     responses = sum(len(r.response_ids) for r in trained)
     out = {"train": 3 * forward_flops(shapes, trained_seqs, responses, shared_prefix=False)}
     if cfg.train.mini_batches > 1:
-        out["old_logprobs"] = forward_flops(shapes, trained_seqs, responses, objectives.share_prompts(cfg))
+        out["old_logprobs"] = forward_flops(shapes, trained_seqs, responses, microbatch.share_prompts(cfg))
     if algo == "sdpo":
         used = [r for r in rollouts if r.sdpo_mask > 0]
         teacher = [(tuple(r.teacher_ids[:len(r.teacher_ids) - len(r.response_ids)]),
@@ -420,7 +421,7 @@ def profile_update(args, cfg, objective, trainer, rollouts, pad_id, d: Dist, alg
 
 def ceiling(args, model_dir: str, d: Dist, shapes: dict, pad_id: int, with_head: bool = True) -> dict:
     """The GRPO batch's micro-batches (as rank_micro_batches packs them, one rank) through
-    a plain bf16 copy of the model: forward with GRPO's head (objectives.logprob_head at
+    a plain bf16 copy of the model: forward with GRPO's head (microbatch.logprob_head at
     --head-chunk-size, run.py's by default: log-probs and entropy), sum of log-probs,
     backward. No FSDP2, no optimizer, no old log-probs, no loss arithmetic: what the kernels
     allow. with_head=False: the decoder alone (the sum of the final hidden states; no LM
@@ -435,16 +436,16 @@ def ceiling(args, model_dir: str, d: Dist, shapes: dict, pad_id: int, with_head:
     micro = rank_micro_batches([[i] for i in range(len(rollouts))], args.micro_batch, Dist(0, 1, d.device),
                                    lengths, args.micro_batch_tokens)
     chunk_size = make_cfg(args, "grpo").train.head_chunk_size
-    head = (lambda packed: objectives.logprob_head(packed.targets, 1.0, chunk_size)) if with_head else (
+    head = (lambda packed: microbatch.logprob_head(packed.targets, 1.0, chunk_size)) if with_head else (
         lambda packed: lambda hidden, weight: (hidden.float().sum(), None))
-    packs = [data.pack([rollouts[i].prompt_ids + rollouts[i].response_ids for i in part],
+    packs = [packing.pack([rollouts[i].prompt_ids + rollouts[i].response_ids for i in part],
                        [len(rollouts[i].response_ids) for i in part], pad_id, d.device) for part in micro]
     times = []
     for _ in range(args.repeats + 1):
         sync(d.device)
         t0 = time.perf_counter()
         for packed in packs:
-            logprobs, _ = objectives.forward(model, packed, head(packed))
+            logprobs, _ = microbatch.forward(model, packed, head(packed))
             logprobs.sum().backward()
         sync(d.device)
         times.append(time.perf_counter() - t0)

@@ -14,7 +14,7 @@ Paths (each run in a fresh subprocess, `--repeats` times, median reported):
             general path: backward re-runs the student head, in vocab blocks).
   weighted  sdpo_topk_loss_from_hidden(..., token_weights=ones), backward (gradients
             computed during forward; no recomputation).
-With --objective logprob (paths plain and chunked): plain is objectives.logprob_head at
+With --objective logprob (paths plain and chunked): plain is microbatch.logprob_head at
 --train.head_chunk_size=0 (float32 [N, V] logits, token_logprobs, entropy of the detached
 logits), chunked is token_logprobs_from_hidden; either's log-probs times fixed random
 advantages, summed, backward.

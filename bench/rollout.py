@@ -111,6 +111,7 @@ def shm_write_seconds(state, repeats=5):
 def sft(model, tokenizer, steps, lr, batch=32, seed=0):
     """A short SFT on the synthetic tasks' reference answers (loss on the answer tokens)."""
     import data
+    import packing
     import random
     import torch
     rows = data.task_rows("arith", "train", 256) + data.task_rows("strops", "train", 256)
@@ -124,7 +125,7 @@ def sft(model, tokenizer, steps, lr, batch=32, seed=0):
             answer = tokenizer(r["reference"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
             seqs.append(data.chat_prompt_ids(tokenizer, r["messages"]) + answer)
             lens.append(len(answer))
-        ids, mask, hidden_index, targets, _ = data.pack_responses(seqs, lens, tokenizer.pad_token_id)
+        ids, mask, hidden_index, targets, _ = packing.pack_responses(seqs, lens, tokenizer.pad_token_id)
         logits = model(input_ids=ids, attention_mask=mask).logits.flatten(0, 1)[hidden_index]
         loss = torch.nn.functional.cross_entropy(logits, targets)
         loss.backward()

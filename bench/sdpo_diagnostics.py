@@ -130,11 +130,12 @@ def batch_rollouts(batch: dict, tokenizer, cfg, by_uid: dict) -> list:
     """The saved training samples as the loop's rollouts, with GRPO's advantages and SDPO's
     teacher contexts (objectives.prepare_*) written on them."""
     import data
+    import microbatch
     import objectives
     rollouts = []
     for s in batch["train"]:
         row = by_uid[s["uid"]]
-        rollouts.append(objectives.Rollout(row=row, prompt_ids=data.chat_prompt_ids(tokenizer, row["messages"]),
+        rollouts.append(microbatch.Rollout(row=row, prompt_ids=data.chat_prompt_ids(tokenizer, row["messages"]),
                                            response_ids=s["response_ids"], rollout_logprobs=[0.0] * len(s["response_ids"]),
                                            text=s["text"], truncated=s["truncated"], reward=s["reward"],
                                            feedback=s["feedback"]))
@@ -199,13 +200,13 @@ def token_parts(tokenizer, ids: list) -> list:
 def sequence_logprobs(policy, seqs: list, response_lens: list, pad_id: int, temperature: float = 1.0) -> list:
     """Per-token log-probs of each sequence's last response_lens tokens, 8 sequences a forward."""
     import chunked_head
-    import data
-    import objectives
+    import microbatch
+    import packing
     out = []
     with torch.no_grad():
         for i in range(0, len(seqs), 8):
-            packed = data.pack(seqs[i:i + 8], response_lens[i:i + 8], pad_id, "cpu")
-            lp = objectives.forward(policy, packed, lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(
+            packed = packing.pack(seqs[i:i + 8], response_lens[i:i + 8], pad_id, "cpu")
+            lp = microbatch.forward(policy, packed, lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(
                 h, w, packed.targets, temperature)[0])
             out += list(lp.split(response_lens[i:i + 8]))
     return out
@@ -323,13 +324,13 @@ class NoSchedule:
 
 def flat_grad(policy, seqs: list, response_lens: list, pad_id: int, head, weight_of) -> torch.Tensor:
     """∇ of Σ_sequences weight_of(i) · head-value (a per-token tensor summed), 8 sequences a forward."""
-    import data
-    import objectives
+    import microbatch
+    import packing
     policy.zero_grad(set_to_none=True)
     for i in range(0, len(seqs), 8):
-        packed = data.pack(seqs[i:i + 8], response_lens[i:i + 8], pad_id, "cpu")
+        packed = packing.pack(seqs[i:i + 8], response_lens[i:i + 8], pad_id, "cpu")
         weights = torch.cat([torch.full((n,), weight_of(i + k)) for k, n in enumerate(response_lens[i:i + 8])])
-        values = objectives.forward(policy, packed, lambda h, w: head(h, w, packed.targets))
+        values = microbatch.forward(policy, packed, lambda h, w: head(h, w, packed.targets))
         (values * weights).sum().backward()
     grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in policy.parameters()])
     policy.zero_grad(set_to_none=True)
@@ -340,7 +341,8 @@ def gradients(args, policy, tokenizer, flags, rollouts, heldout) -> list:
     import copy
     import losses
     import run
-    from objectives import OBJECTIVES, Models
+    from microbatch import Models
+    from objectives import OBJECTIVES
     from teacher import Teacher
     pad = tokenizer.pad_token_id
     temperature = args.temperature

@@ -22,7 +22,8 @@ def main(out_dir, d):
 
     import run
     import tiny_models
-    from objectives import OBJECTIVES, Models, prepare_pairs
+    from microbatch import Models
+    from objectives import OBJECTIVES, prepare_pairs
     from distributed import full_tensor
     from teacher import Reference
     from test_dpo import TWO_RANK_FLAGS, TWO_RANK_REWARDS, _scored, dpo_config

@@ -21,7 +21,7 @@ from conftest import exit_now  # noqa: E402
 def main(model_dir, out_dir, d):
     import torch
 
-    import data
+    import packing
     import losses
     import run
     from policy import CausalLM, _auto_class, _vision, copy_policy, load_policy, shard
@@ -30,7 +30,7 @@ def main(model_dir, out_dir, d):
     cfg = run.Config()
     tokenizer = run.load_tokenizer(model_dir)
     ids = tokenizer("a sequence to take the gradient of, long enough for several tokens")["input_ids"]
-    packed = data.pack([ids], [len(ids) - 1], run.pad_token_id(tokenizer), d.device)
+    packed = packing.pack([ids], [len(ids) - 1], run.pad_token_id(tokenizer), d.device)
 
     def weights_and_grads(model):
         loss = model(packed, lambda h, w: -losses.token_logprobs(h @ w.T, packed.targets).mean())

@@ -27,7 +27,7 @@ def main(out_dir, model_dir, d):
     from torch.distributed.tensor import DTensor
     from transformers import AutoTokenizer
 
-    import data
+    import packing
     import chunked_head
     import losses
     import rollout
@@ -54,7 +54,7 @@ def main(out_dir, model_dir, d):
 
     policy = load_policy(model_dir, run.Config(), world, device)
     result["sharded"] = all(isinstance(p, DTensor) for p in policy.parameters())
-    packed = data.pack([probe], [len(probe) - 1], pad_id, device)
+    packed = packing.pack([probe], [len(probe) - 1], pad_id, device)
 
     def probe_logprobs():  # as run.train's sync(): through the sharded model, on every rank
         with torch.no_grad():

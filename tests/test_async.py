@@ -16,11 +16,12 @@ import pytest
 import torch
 
 import data
-import objectives
+import microbatch
 import processes
 import rollout
 import run
-from objectives import OBJECTIVES, Models
+from microbatch import Models
+from objectives import OBJECTIVES
 from teacher import Teacher
 from test_rollout import perturbed
 from test_run import CPU, ONE_PROCESS, ROOT, SMALL, GradRecorder, NoSchedule, _metrics, _policy, _rollouts, _run
@@ -112,7 +113,7 @@ def test_the_kv_cache_is_sized_from_the_runs_batches_and_capped_on_cpu(tiny_dir,
 def _grads_of_loss(objective, models, rollouts, old_logprobs, cfg, pad_id):
     """The gradient of one micro-batch holding every rollout, with the given old log-probs."""
     counts = step_counts(rollouts, objective)
-    mb = objectives.micro_batch(models.policy, rollouts, counts, pad_id, CPU, old_logprobs, 1)
+    mb = microbatch.micro_batch(models.policy, rollouts, counts, pad_id, CPU, old_logprobs, 1)
     loss, _ = objective.loss(mb, models, cfg)
     models.policy.zero_grad(set_to_none=True)
     loss.backward()
@@ -138,10 +139,10 @@ def test_one_optimizer_step_on_a_stale_batch_needs_no_separate_old_logprobs(tiny
     teacher = Teacher("ema", 0.05, _policy(tiny_dir)) if "teacher" in objective.models else None
     rollouts = _rollouts(tokenizer, algo)
     temperature = cfg.rollout.temperature
-    for r, lp in zip(rollouts, objectives.response_logprobs(engine_version, rollouts, pad_id, ONE_PROCESS, 64,
+    for r, lp in zip(rollouts, microbatch.response_logprobs(engine_version, rollouts, pad_id, ONE_PROCESS, 64,
                                                             temperature)):
         r.rollout_logprobs = lp
-    at_update = objectives.response_logprobs(policy, rollouts, pad_id, ONE_PROCESS, 64, temperature)
+    at_update = microbatch.response_logprobs(policy, rollouts, pad_id, ONE_PROCESS, 64, temperature)
 
     recorder = GradRecorder(policy)
     metrics, _ = run.update_policy(cfg, objective, run.Trainer(Models(policy, teacher), recorder, NoSchedule()),
@@ -287,7 +288,7 @@ def test_each_batch_comes_from_the_weights_before_the_last_update(tiny_dir, toke
     def update_policy(cfg, objective, trainer, rollouts, step, pad, d, teacher_done=None):
         record = {"step": step, "versions": [r.policy_version for r in rollouts],
                   "rollout": [r.rollout_logprobs for r in rollouts], "rollouts": rollouts,
-                  "old": objectives.response_logprobs(trainer.models.policy, rollouts, pad, d, 64, temperature),
+                  "old": microbatch.response_logprobs(trainer.models.policy, rollouts, pad, d, 64, temperature),
                   "start": time.perf_counter()}
 
         def done():
@@ -322,7 +323,7 @@ def test_each_batch_comes_from_the_weights_before_the_last_update(tiny_dir, toke
     for u in updates:
         version = u["versions"][0]
         # the engine's log-probs are those of that version, not of the policy being updated
-        behaviour = objectives.response_logprobs(model_of(version), u["rollouts"], pad_id, ONE_PROCESS, 64, temperature)
+        behaviour = microbatch.response_logprobs(model_of(version), u["rollouts"], pad_id, ONE_PROCESS, 64, temperature)
         flat = lambda lists: torch.tensor([v for vs in lists for v in vs])
         assert (flat(u["rollout"]) - flat(behaviour)).abs().max() < 1e-4
         ratios = (flat(u["old"]) - flat(u["rollout"])).exp()

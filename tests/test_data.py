@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import data
 import feedback
+import packing
 import run
 import tasks
 import tiny_models
@@ -964,19 +965,19 @@ def test_truncate_middle_properties(n, max_len, keep):
 
 
 def test_pad():
-    ids, mask = data.pad([[1, 2, 3], [4], [5, 6]], pad_id=0)
+    ids, mask = packing.pad([[1, 2, 3], [4], [5, 6]], pad_id=0)
     assert ids.dtype == torch.long and mask.dtype == torch.long
     assert ids.tolist() == [[1, 2, 3], [0, 0, 4], [0, 5, 6]]
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
-    ids, mask = data.pad([[7], []], pad_id=9)
+    ids, mask = packing.pad([[7], []], pad_id=9)
     assert ids.tolist() == [[7], [9]] and mask.tolist() == [[1], [0]]
-    ids, mask = data.pad([[1, 2, 3], [4]], pad_id=0, min_width=4, left=False)
+    ids, mask = packing.pad([[1, 2, 3], [4]], pad_id=0, min_width=4, left=False)
     assert ids.tolist() == [[1, 2, 3, 0], [4, 0, 0, 0]] and mask.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
 
 
 def test_pack_responses_hand_worked():
     seqs = [[10, 11, 12, 13], [20, 21, 22]]
-    ids, mask, hidden_index, targets, token_index = data.pack_responses(seqs, [2, 1], pad_id=0)
+    ids, mask, hidden_index, targets, token_index = packing.pack_responses(seqs, [2, 1], pad_id=0)
     assert ids.tolist() == [[10, 11, 12, 13], [20, 21, 22, 0]]
     assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
     # flattened [B*L] positions one before each response token: 11->12, 12->13 | 21->22 (row 1 starts at 4)
@@ -988,7 +989,7 @@ def test_pack_responses_hand_worked():
         assert t.dtype == torch.long
 
     # an empty response contributes nothing; R is the longest response
-    ids, mask, hidden_index, targets, token_index = data.pack_responses([[5, 6, 7], [8, 9, 3, 4]], [0, 3], pad_id=1)
+    ids, mask, hidden_index, targets, token_index = packing.pack_responses([[5, 6, 7], [8, 9, 3, 4]], [0, 3], pad_id=1)
     assert ids.tolist() == [[5, 6, 7, 1], [8, 9, 3, 4]]
     assert hidden_index.tolist() == [4, 5, 6]
     assert targets.tolist() == [9, 3, 4]
@@ -997,9 +998,9 @@ def test_pack_responses_hand_worked():
 
 def test_pack_responses_needs_a_prompt_token():
     with pytest.raises(ValueError, match="sequence 1.*no prompt token"):
-        data.pack_responses([[1, 2, 3], [4, 5]], [1, 2], pad_id=0)
+        packing.pack_responses([[1, 2, 3], [4, 5]], [1, 2], pad_id=0)
     with pytest.raises(ValueError, match="sequence 0"):
-        data.pack_responses([[]], [0], pad_id=0)
+        packing.pack_responses([[]], [0], pad_id=0)
 
 
 @FAST
@@ -1009,7 +1010,7 @@ def test_pack_responses_properties(shape):
     for b, (prompt_len, resp_len) in enumerate(shape):
         seqs.append([1000 * (b + 1) + t for t in range(prompt_len + resp_len)])
         lens.append(resp_len)
-    ids, mask, hidden_index, targets, token_index = data.pack_responses(seqs, lens, pad_id=-1)
+    ids, mask, hidden_index, targets, token_index = packing.pack_responses(seqs, lens, pad_id=-1)
     width = max(len(s) for s in seqs)
     R = max(max(lens), 1)
     assert ids.shape == mask.shape == (len(seqs), width)

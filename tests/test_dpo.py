@@ -13,7 +13,8 @@ import data
 import objectives
 import rollout
 import run
-from objectives import OBJECTIVES, Models, Rollout, preference_pairs, prepare_pairs
+from microbatch import Models, Rollout
+from objectives import OBJECTIVES, preference_pairs, prepare_pairs
 from teacher import Reference
 from test_run import GradRecorder, NoSchedule, ONE_PROCESS, ROOT, SMALL, _free_port, _metrics, _policy, _rollouts, _run
 from policy import CausalLM

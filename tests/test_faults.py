@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import data
+import microbatch
 import objectives
 import rollout
 import run
@@ -35,7 +36,7 @@ def _trainer(tiny_dir, lr=1e-2):
     policy = _policy(tiny_dir)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return run.Trainer(objectives.Models(policy), optimizer, scheduler)
+    return run.Trainer(microbatch.Models(policy), optimizer, scheduler)
 
 
 def _step(trainer):
@@ -57,7 +58,7 @@ def test_resume_takes_the_latest_complete_checkpoint_of_an_out_dir(tiny_dir, tmp
     run.save_checkpoint(str(tmp_path / "checkpoint-1"), trainer, 1, None, ONE_PROCESS)
     after_one = _weights(trainer)
     _step(trainer)
-    batch = ([objectives.Rollout(row={"uid": "a"}, prompt_ids=[1], response_ids=[2], rollout_logprobs=[-0.5],
+    batch = ([microbatch.Rollout(row={"uid": "a"}, prompt_ids=[1], response_ids=[2], rollout_logprobs=[-0.5],
                                  text="x", truncated=False, policy_version=1)], {"reward/mean": 0.25})
     run.save_checkpoint(str(tmp_path / "checkpoint-2"), trainer, 2, batch, ONE_PROCESS, first_eval=[0.25, 1.0, 0.0])
     # a run killed while saving step 3 leaves only a partial directory behind

@@ -12,11 +12,14 @@ import torch.nn.functional as F
 import data
 import discriminator
 import losses
+import microbatch
+import packing
 import run
 import warm_start
 from config import parse_config
 from discriminator import Critic
-from objectives import OBJECTIVES, Models, gad_loss, gad_rewards, prepare_teacher_responses
+from microbatch import Models
+from objectives import OBJECTIVES, gad_loss, gad_rewards, prepare_teacher_responses
 from teacher import Reference
 from test_run import ONE_PROCESS, SMALL, GradRecorder, NoSchedule, _metrics, _policy, _rollouts, _run
 from update import step_counts
@@ -53,7 +56,7 @@ def test_score_is_read_at_the_last_real_token_whatever_the_padding(tiny_dir):
     with torch.no_grad():
         alone = torch.cat([model(torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long)) for s in seqs])
         right = model(*discriminator.right_pad(seqs, 0, "cpu"))
-        left = model(*data.pad(seqs, 0))
+        left = model(*packing.pad(seqs, 0))
         changed = model(*discriminator.right_pad([s[:-1] + [99] for s in seqs], 0, "cpu"))
     torch.testing.assert_close(right, alone, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(left, alone, rtol=1e-5, atol=1e-5)
@@ -67,7 +70,7 @@ def test_mean_pool_reads_the_mean_of_the_response_tokens_states_whatever_the_pad
         by_hand = torch.stack([model.head(model.backbone(input_ids=torch.tensor([s])).last_hidden_state[0, k:].mean(0))
                                for s, k in zip(seqs, starts)]).squeeze(-1)
         right = model(*discriminator.right_pad(seqs, 0, "cpu"), torch.tensor(starts))
-        left = model(*data.pad(seqs, 0), torch.tensor(starts))
+        left = model(*packing.pad(seqs, 0), torch.tensor(starts))
         prompt_changed = model(*discriminator.right_pad([[99] + s[1:] for s in seqs], 0, "cpu"), torch.tensor(starts))
     torch.testing.assert_close(right, by_hand, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(left, by_hand, rtol=1e-5, atol=1e-5)
@@ -231,7 +234,7 @@ def _kl_grads(tiny_dir, tokenizer, kind, coef=1.0):
         r.advantage = 0.0  # the clipped surrogate contributes no gradient: only the KL term is left
         r.reference_logprobs = (torch.tensor(r.rollout_logprobs) + torch.randn(len(r.response_ids), generator=g)).tolist()
     counts = step_counts(rollouts, GAD)
-    mb = run.objectives.micro_batch(None, rollouts, counts, tokenizer.pad_token_id, "cpu", None, 1)
+    mb = microbatch.micro_batch(None, rollouts, counts, tokenizer.pad_token_id, "cpu", None, 1)
     loss, stats = gad_loss(mb, Models(policy), cfg)
     loss.backward()
     return [p.grad.clone() for p in policy.parameters()], stats["actor/kl"], loss.item()
@@ -260,7 +263,7 @@ def test_kl_in_the_reward_instead_of_the_loss(tiny_dir, tokenizer):
     expected = losses.grpo_advantages(rewards, [r.row["uid"] for r in students])
     assert [r.advantage for r in students] == pytest.approx(expected.tolist(), abs=1e-6)
     assert metrics["gad/reward_kl"] == pytest.approx(sum(kl) / len(kl), rel=1e-5)
-    mb = run.objectives.micro_batch(None, students, step_counts(students, GAD), tokenizer.pad_token_id, "cpu", None, 1)
+    mb = microbatch.micro_batch(None, students, step_counts(students, GAD), tokenizer.pad_token_id, "cpu", None, 1)
     with_kl = gad_loss(mb, trainer.models, cfg)[0]
     without = gad_loss(mb, trainer.models, gad_config("--rollout.n=3", "--algo.kl_coef=0"))[0]
     assert with_kl.item() == pytest.approx(without.item(), rel=1e-6)  # the loss has no KL term

@@ -18,7 +18,8 @@ import torch
 import data
 import run
 import tiny_models
-from objectives import OBJECTIVES, Models
+from microbatch import Models
+from objectives import OBJECTIVES
 from teacher import Teacher
 from test_run import NoSchedule, ONE_PROCESS, _policy, _rollouts
 

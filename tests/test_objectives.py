@@ -10,7 +10,8 @@ import objectives
 import run
 import tiny_models
 from golden import CASES, COMMON, PATH, fingerprint
-from objectives import OBJECTIVES, Models
+from microbatch import Models
+from objectives import OBJECTIVES
 from teacher import Teacher
 from test_loop import SteppingRecorder, fixed_rollouts, fixed_start
 from test_run import CPU, GradRecorder, NoSchedule, ONE_PROCESS, _policy, _rollouts

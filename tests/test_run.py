@@ -13,11 +13,14 @@ import torch
 import checkpoint
 import data
 import feedback
+import microbatch
 import objectives
+import packing
 import run
 import tiny_models
 import warm_start
-from objectives import OBJECTIVES, Models
+from microbatch import Models
+from objectives import OBJECTIVES
 from rollout import Sample
 from teacher import Teacher
 from config import TrainConfig
@@ -243,7 +246,7 @@ def _rollouts(tokenizer, algo, n_prompts=3, n=4, seed=0, no_success=False):
             length = int(torch.randint(2, 12, (1,), generator=g))
             response = torch.randint(3, len(tokenizer), (length,), generator=g).tolist()
             reward = 0.0 if no_success else float(j == 0)
-            r = objectives.Rollout(row=row, prompt_ids=prompt, response_ids=response,
+            r = microbatch.Rollout(row=row, prompt_ids=prompt, response_ids=response,
                             rollout_logprobs=(-torch.rand(length, generator=g) * 5).tolist(),
                             text="", truncated=False, reward=reward, advantage=float(torch.randn(1, generator=g)))
             out.append(r)
@@ -343,12 +346,12 @@ def test_shared_prefix_forward_matches_the_plain_forward(tiny_dir):
         r = int(torch.randint(1, 6, (1,), generator=g))
         seqs.append(prompt + torch.randint(5, 1000, (r,), generator=g).tolist())
         lens.append(r)
-    packed = data.pack_shared_prefix(seqs, lens, 0, CPU)
+    packed = packing.pack_shared_prefix(seqs, lens, 0, CPU)
     assert packed.prefix[-1][0].shape[0] == 3  # three distinct prompts, each run once
     identity = lambda hidden, weight: hidden
     with torch.no_grad():
         shared = model(packed, identity)
-        one_by_one = torch.cat([model(data.pack([s], [r], 0, CPU), identity) for s, r in zip(seqs, lens)])
+        one_by_one = torch.cat([model(packing.pack([s], [r], 0, CPU), identity) for s, r in zip(seqs, lens)])
     assert shared.shape == (sum(lens), model.hf.config.hidden_size)
     torch.testing.assert_close(shared, one_by_one, rtol=1e-4, atol=1e-5)
 
@@ -369,7 +372,7 @@ def test_grouped_prompts_run_their_common_part_once_and_match_the_plain_forward(
         seqs.append(prompt + tokens(r))
         lens.append(r)
         groups.append(group)
-    packed = data.pack_shared_prefix(seqs, lens, 0, CPU, groups=groups)
+    packed = packing.pack_shared_prefix(seqs, lens, 0, CPU, groups=groups)
     (stem_ids, stem_mask, _), (rest_ids, _, _) = packed.prefix
     assert stem_ids.shape[0] == 3 and rest_ids.shape[0] == 6  # a stem per group; each distinct prompt's rest once
     # the question; "b": its shorter prefix (8 tokens) less the token its rest keeps; "c": none
@@ -377,7 +380,7 @@ def test_grouped_prompts_run_their_common_part_once_and_match_the_plain_forward(
     identity = lambda hidden, weight: hidden
     with torch.no_grad():
         shared = model(packed, identity)
-        one_by_one = torch.cat([model(data.pack([s], [r], 0, CPU), identity) for s, r in zip(seqs, lens)])
+        one_by_one = torch.cat([model(packing.pack([s], [r], 0, CPU), identity) for s, r in zip(seqs, lens)])
     torch.testing.assert_close(shared, one_by_one, rtol=1e-4, atol=1e-5)
 
 
@@ -386,7 +389,7 @@ def test_old_logprobs_with_shared_prompts_match_the_plain_forward(tiny_dir, toke
     per-token log-probs as each sequence alone, in micro-batches that split a group."""
     policy = _policy(tiny_dir, seed=1)
     rollouts = _rollouts(tokenizer, "grpo")
-    shared, plain = (objectives.response_logprobs(policy, rollouts, tokenizer.pad_token_id, run.Dist(0, 1, CPU), 5,
+    shared, plain = (microbatch.response_logprobs(policy, rollouts, tokenizer.pad_token_id, run.Dist(0, 1, CPU), 5,
                                                   0.7, shared_prefix=share) for share in (True, False))
     assert [len(s) for s in shared] == [len(r.response_ids) for r in rollouts]
     torch.testing.assert_close(torch.tensor(sum(shared, [])), torch.tensor(sum(plain, [])), rtol=1e-5, atol=1e-5)
@@ -398,7 +401,7 @@ def test_a_shared_prompt_in_the_gradient_forward_gives_the_same_gradients(tiny_d
     (--train.share_prompt_prefix); its KV cache takes the gradient of every sequence that
     reads it, so the gradient is that of each sequence run in full."""
     rollouts = _rollouts(tokenizer, algo)
-    packed = objectives.micro_batch(None, rollouts[:8], {}, tokenizer.pad_token_id, CPU, None, 1, shared_prefix=True).packed
+    packed = microbatch.micro_batch(None, rollouts[:8], {}, tokenizer.pad_token_id, CPU, None, 1, shared_prefix=True).packed
     assert packed.prefix[-1][0].shape[0] < 8  # the 8 samples share prompts: fewer prefix rows than sequences
     shared, metrics_shared = _grads(tiny_dir, tokenizer, algo, 8)
     plain, metrics_plain = _grads(tiny_dir, tokenizer, algo, 8, share_prompt_prefix=False)
@@ -449,7 +452,7 @@ def test_the_eos_diagnostic_is_the_teachers_log_prob_of_stopping_minus_the_stude
     policy, teacher_model = _policy(tiny_dir, seed=1), _policy(tiny_dir, seed=2)
     rollouts = _rollouts(tokenizer, algo)
     rollouts[1].truncated = True
-    mb = objectives.micro_batch(None, rollouts, step_counts(rollouts, OBJECTIVES[algo]), tokenizer.pad_token_id,
+    mb = microbatch.micro_batch(None, rollouts, step_counts(rollouts, OBJECTIVES[algo]), tokenizer.pad_token_id,
                                 CPU, None, 1)
     _, stats = OBJECTIVES[algo].loss(mb, Models(policy, Teacher("ema", 0.05, teacher_model)), cfg)
 
@@ -475,7 +478,7 @@ def test_the_demonstration_diagnostic_splits_right_and_wrong_samples(tiny_dir, t
         r.reward = float(i % 4 in (0, 1))  # two successes a group: each demonstrates for the other
         r.text, r.feedback = tokenizer.decode(r.response_ids), "Wrong Answer: input abc expected cba"
     objectives.prepare_teacher_contexts(rollouts, tokenizer, cfg)
-    mb = objectives.micro_batch(None, rollouts, step_counts(rollouts, OBJECTIVES["sdpo"]), tokenizer.pad_token_id,
+    mb = microbatch.micro_batch(None, rollouts, step_counts(rollouts, OBJECTIVES["sdpo"]), tokenizer.pad_token_id,
                                 CPU, None, 1)
     _, stats = OBJECTIVES["sdpo"].loss(mb, Models(policy, Teacher("ema", 0.05, teacher_model)), cfg)
 
@@ -502,7 +505,7 @@ def test_no_success_and_no_feedback_gives_zero_sdpo_loss(tiny_dir, tokenizer):
     assert all(r.sdpo_mask == 0.0 for r in rollouts)
     counts = step_counts(rollouts, OBJECTIVES["sdpo"])
     assert counts["tokens"] == 0 and counts["sequences"] == 0
-    mb = objectives.micro_batch(None, rollouts, counts, tokenizer.pad_token_id, CPU, None, 1)
+    mb = microbatch.micro_batch(None, rollouts, counts, tokenizer.pad_token_id, CPU, None, 1)
     loss, stats = objectives.sdpo_loss(mb, Models(policy, teacher), cfg)
     assert torch.isfinite(loss) and loss.item() == 0.0
     loss.backward()
@@ -772,7 +775,7 @@ def test_lr_factor_warms_up_then_stays_or_decays_to_zero():
 def test_success_stderr_is_the_spread_of_per_row_success():
     """eval/success_stderr: the rows are the independent draws (a row's k samples are not)."""
     cfg = run.parse_config([])
-    rollout = lambda reward: objectives.Rollout(row={}, prompt_ids=[], response_ids=[], rollout_logprobs=[], text="",
+    rollout = lambda reward: microbatch.Rollout(row={}, prompt_ids=[], response_ids=[], rollout_logprobs=[], text="",
                                          truncated=False, reward=reward)
     success_stderr = lambda rollouts, k: stderr(row_success(rollouts, k, cfg))
     # three rows of k=2 samples: per-row success 1, 0.5, 0 -> mean 0.5, sample std 0.5, stderr 0.5 / sqrt(3)
@@ -1411,8 +1414,8 @@ def test_staleness_is_logged_for_generated_batches_only(tokenizer):
     class Generated(run.Batches):
         def collect(self, step, d):
             sample = dict(row={}, prompt_ids=[1], response_ids=[2], rollout_logprobs=[0.0], text="", truncated=False)
-            return [objectives.Rollout(**sample, policy_version=5),  # a SPIN batch: a sample and a reference
-                    objectives.Rollout(**sample, generated=False)], {}
+            return [microbatch.Rollout(**sample, policy_version=5),  # a SPIN batch: a sample and a reference
+                    microbatch.Rollout(**sample, generated=False)], {}
 
     cfg = run.parse_config(["--algo=grpo"])
     assert Generated(cfg, objectives.OBJECTIVES["grpo"], None, tokenizer, rows, ONE_PROCESS).take(7)[1][

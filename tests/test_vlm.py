@@ -1,6 +1,6 @@
 """
 Tests for images: the picture task and its reward, image rows in data files and their errors,
-the tiny vision-language model, data.ImagePrompts, and (slow) the vLLM engine on image
+the tiny vision-language model, ImagePrompts, and (slow) the vLLM engine on image
 prompts: the prompt ids it expands, its log-probs against a float32 HF forward, and a weight
 sync that the image probe proves for the vision tower.
 
@@ -23,11 +23,13 @@ import torch
 
 import data
 import feedback
+import microbatch
 import tasks
 import tiny_models
 import warm_start
 from config import parse_config
 from data import DataError
+from image_prompts import ImagePrompts
 from tasks import TaskConfig
 
 TOL = 1e-4
@@ -46,7 +48,7 @@ def vlm_tokenizer(vlm_dir):
 
 @pytest.fixture(scope="module")
 def image_prompts(vlm_dir):
-    return data.ImagePrompts(vlm_dir)
+    return ImagePrompts(vlm_dir)
 
 
 @pytest.fixture(scope="module")
@@ -517,7 +519,7 @@ def test_weight_sync_of_the_vision_tower_is_proven_by_the_image_probe(engine, hf
 
 
 # -----------------------------------------------------------------------------
-# the training loop on image prompts: the trainer's forward (CausalLM via objectives.pack),
+# the training loop on image prompts: the trainer's forward (CausalLM via microbatch.pack),
 # SDPO's teacher contexts, a two-rank run
 
 
@@ -530,12 +532,11 @@ def policy(vlm_dir):
 
 
 def loop_logprobs(policy, seqs, response_lens, images, temperature=1.0):
-    """Response log-probs [N] as the loop computes them: objectives.pack then the policy's forward."""
+    """Response log-probs [N] as the loop computes them: microbatch.pack then the policy's forward."""
     import chunked_head
-    import objectives
-    packed = objectives.pack(policy, seqs, response_lens, 0, torch.device("cpu"), images=images)
+    packed = microbatch.pack(policy, seqs, response_lens, 0, torch.device("cpu"), images=images)
     with torch.no_grad():
-        return objectives.forward(policy, packed, lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(
+        return microbatch.forward(policy, packed, lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(
             h, w, packed.targets, temperature)[0])
 
 
@@ -582,7 +583,6 @@ def test_image_tokens_the_policy_generated_are_text(vlm_tokenizer, image_prompts
 
 
 def test_teacher_context_keeps_the_picture(vlm_tokenizer, image_prompts, policy):
-    import objectives
     import sdpo
     rows = data.task_rows("shapes", "test", 2)
     row = rows[0]
@@ -602,7 +602,7 @@ def test_teacher_context_keeps_the_picture(vlm_tokenizer, image_prompts, policy)
     assert text == vlm_tokenizer.decode(sdpo.teacher_prompt_ids(
         vlm_tokenizer, [{"role": "user", "content": question}], row["reference"], None, cfg))
     # the teacher forward (a shared prefix asked for: the fallback) sees the picture
-    packed = objectives.pack(policy, [ids], [len(responses[1])], 0, torch.device("cpu"), images=[row["images"]],
+    packed = microbatch.pack(policy, [ids], [len(responses[1])], 0, torch.device("cpu"), images=[row["images"]],
                              shared_prefix=True)
     assert packed.prefix is None and int(packed.image_mask.sum()) == image_prompts.tokens_per_image(row["images"][0])
     with_picture = loop_logprobs(policy, [ids], [len(responses[1])], [row["images"]])
@@ -613,22 +613,21 @@ def test_teacher_context_keeps_the_picture(vlm_tokenizer, image_prompts, policy)
 @pytest.mark.slow
 def test_engine_rollouts_score_the_same_in_the_trainer(engine, vlm_tokenizer, policy, image_batch):
     """Engine log-probs of sampled tokens on image prompts against the loop's old-log-prob
-    pass (objectives.response_logprobs: micro-batches of mixed prompts, right-padded)."""
-    import objectives
+    pass (microbatch.response_logprobs: micro-batches of mixed prompts, right-padded)."""
     import run
     prompts, images = image_batch
     rows = [{"uid": str(i), "images": im} for i, im in enumerate(images)]
     worst, generated_image_tokens = 0.0, 0
     for temperature in (1.0, 0.7):
         out = engine.generate(prompts, n=4, temperature=temperature, max_tokens=24, seed=3, images=images)
-        rollouts = [objectives.Rollout(row=row, prompt_ids=s.prompt_ids, response_ids=s.response_ids,
+        rollouts = [microbatch.Rollout(row=row, prompt_ids=s.prompt_ids, response_ids=s.response_ids,
                                        rollout_logprobs=s.logprobs, text=s.text, truncated=s.truncated)
                     for row, samples in zip(rows, out) for s in samples]
-        trainer = objectives.response_logprobs(policy, rollouts, vlm_tokenizer.pad_token_id, run.Dist(0, 1, torch.device("cpu")),
+        trainer = microbatch.response_logprobs(policy, rollouts, vlm_tokenizer.pad_token_id, run.Dist(0, 1, torch.device("cpu")),
                                                micro_batch=5, temperature=temperature)
         for r, lp in zip(rollouts, trainer):
             worst = max(worst, (torch.tensor(r.rollout_logprobs) - torch.tensor(lp)).abs().max().item())
-            generated_image_tokens += r.response_ids.count(data.ImagePrompts(engine.model_dir).image_token_id)
+            generated_image_tokens += r.response_ids.count(ImagePrompts(engine.model_dir).image_token_id)
     print(f"engine vs the loop's trainer forward on image prompts: max |diff| {worst:.2e} nats "
           f"({generated_image_tokens} generated image tokens)")
     assert worst < TOL
@@ -650,7 +649,7 @@ def test_two_rank_torchrun_sdpo_on_the_picture_task(tmp_path):
     assert "eval/success_rate" in steps[-1] and "sdpo/divergence" in steps[-1]
     from transformers import AutoModelForImageTextToText
     AutoModelForImageTextToText.from_pretrained(os.path.join(out, "final"))
-    data.ImagePrompts(os.path.join(out, "final"))  # with its image processor: it can be trained on again
+    ImagePrompts(os.path.join(out, "final"))  # with its image processor: it can be trained on again
 
 
 class SeeingEngine:

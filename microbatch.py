@@ -1,0 +1,247 @@
+"""Rollouts and micro-batches: the types every objective reads, and the forward mechanics they share.
+
+A Rollout is one response and what the objectives write on it; a MicroBatch lays rollouts out for
+one forward/backward with the step's global counts. The mechanics every loss uses are written
+once here: packing and the forward pass (`pack`, `forward`, `logprob_head`, `policy_logprobs`,
+`response_logprobs`), the engine-vs-trainer correction (`engine_correction`), the rollout
+statistics (`rollout_stats`) and `aggregate`. Statistics are (sum, count) pairs that
+update.reduce_stats averages over micro-batches and ranks; a name ending in "_max" is a maximum
+instead (its count is ignored).
+"""
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import chunked_head
+import losses
+import packing
+from distributed import Dist
+# ----------------------------------------------------------------------------------------
+# What the loss functions get
+
+
+@dataclass
+class Rollout:
+    """One response to one prompt, and what the objectives write on it."""
+    row: dict
+    prompt_ids: list
+    response_ids: list
+    rollout_logprobs: list  # from the engine, at the sampling temperature
+    text: str
+    truncated: bool
+    reward: float = 0.0
+    feedback: str = ""
+    reward_error: str = ""
+    policy_version: int = 0  # the weights that generated it: their number of loop steps (updates)
+    # written by prepare:
+    advantage: float = 0.0  # GRPO/GSPO/hybrid
+    teacher_ids: list | None = None  # SDPO/hybrid: teacher prompt + the same response ids
+    sdpo_mask: float = 0.0  # SDPO/hybrid: 1.0 when the sample has a teacher context
+    teacher_context: str = ""  # SDPO/hybrid: "demonstration", "feedback" or "" (none)
+    generated: bool = True  # False: the row's reference response (SFT, SPIN), with no engine log-probs
+    sample_index: int = 0  # DPO: position among its prompt's rollouts
+    preferred_over: list = field(default_factory=list)  # DPO: sample_index of each sibling it is chosen over
+    paired: bool = False  # DPO: in at least one preference pair
+    reference_logprob: float = 0.0  # DPO: response log-prob under the reference (summed; IPO: mean)
+    reference_logprobs: list | None = None  # GAD: per-token log-probs under the frozen initial policy (KL)
+    discriminator_score: float = 0.0  # GAD: D(prompt, response) before this step's discriminator update
+    trains_policy: bool = True  # GAD: in this step's policy loss (its stage decides which rollouts)
+    # written by cache_teacher_hidden on the rank that trains it, consumed by its micro-batch:
+    teacher_hidden: torch.Tensor | None = None  # [R, H'] teacher hidden states at the response tokens
+
+
+@dataclass
+class Models:
+    """The policy and the optional models an objective asked for (None when not)."""
+    policy: torch.nn.Module
+    teacher: object = None  # teacher.Teacher: SDPO's EMA / frozen / trust-region / live teacher
+    reference: object = None  # teacher.Reference: DPO's frozen copy of the policy, refreshed every N steps
+    discriminator: object = None  # discriminator.Critic: GAD's discriminator and its optimizer
+
+
+@dataclass
+class MicroBatch:
+    """Rollouts laid out for one forward/backward, with the step's global counts."""
+    rollouts: list
+    packed: packing.Packed
+    rollout_logprobs: torch.Tensor  # [N] engine log-probs of the response tokens
+    old_logprobs: torch.Tensor | None  # [N] trainer log-probs before the update; None: the only optimizer step
+    counts: dict  # global counts of the optimizer step (run.step_counts)
+    pad_id: int
+    world: int = 1
+    seconds: dict = field(default_factory=dict)  # time spent in parts worth logging ("teacher")
+
+    @property
+    def device(self):
+        return self.packed.input_ids.device
+
+    def matrix(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-token values [N] -> [B, R] response matrix."""
+        return packing.to_matrix(values, self.packed)
+
+    def per_sequence(self, value: Callable) -> torch.Tensor:
+        """[B] float tensor of value(rollout)."""
+        return torch.tensor([float(value(r)) for r in self.rollouts], dtype=torch.float32, device=self.device)
+
+    @property
+    def response_mask(self) -> torch.Tensor:
+        return self.matrix(torch.ones_like(self.rollout_logprobs))
+
+
+def micro_batch(policy, rollouts: list, counts: dict, pad_id: int, device, old_logprobs: list | None,
+                world: int, shared_prefix: bool = False) -> MicroBatch:
+    """The rollouts laid out for the policy's gradient forward (pack; shared_prefix: see
+    share_prompts), with their engine and old log-probs [N]."""
+    per_token = lambda lists: torch.tensor([v for vs in lists for v in vs], dtype=torch.float32, device=device)
+    return MicroBatch(
+        rollouts=rollouts,
+        packed=pack(policy, [r.prompt_ids + r.response_ids for r in rollouts], [len(r.response_ids) for r in rollouts],
+                    pad_id, device, images=[r.row.get("images") for r in rollouts], shared_prefix=shared_prefix),
+        rollout_logprobs=per_token([r.rollout_logprobs for r in rollouts]),
+        old_logprobs=None if old_logprobs is None else per_token(old_logprobs),
+        counts=counts, pad_id=pad_id, world=world)
+
+
+# ----------------------------------------------------------------------------------------
+# Shared mechanics
+
+
+def pack(model, seqs: list, response_lens: list, pad_id: int, device, images: list | None = None,
+         shared_prefix: bool = False, groups: list | None = None) -> packing.Packed:
+    """Sequences laid out for model (run.CausalLM): packing.pack, or packing.pack_shared_prefix
+    (groups: each sequence's group key, whose members' common prompt runs once more).
+
+    For a vision-language model, images[i] are sequence i's pictures (the row's: a teacher
+    context keeps the prompt's pictures), and each picture's placeholder in seqs[i] is
+    expanded to its image tokens unless it already is (the engine's prompt ids are). Such
+    sequences never share a prefix: each runs as an ordinary right-padded row, exact, without
+    carrying 3-D rope positions from a prefix (docs/data.md, In the trainer).
+    """
+    vision = getattr(model, "vision", None)
+    if vision is None:
+        if shared_prefix:
+            return packing.pack_shared_prefix(seqs, response_lens, pad_id, device, groups)
+        return packing.pack(seqs, response_lens, pad_id, device)
+    images = [list(im or []) for im in (images or [None] * len(seqs))]
+    seqs, masks = zip(*[vision.expand(s, im) for s, im in zip(seqs, images)]) if seqs else ((), ())
+    return packing.pack(list(seqs), response_lens, pad_id, device, images=images, image_masks=list(masks))
+
+
+def response_logprobs(model, rollouts: list, pad_id: int, d: Dist, micro_batch: int, temperature: float,
+                      shared_prefix: bool = False) -> list:
+    """Log-probs of every rollout's response tokens under model, without gradient (old
+    log-probs, reference log-probs): each rank scores a share, then all ranks exchange them.
+    shared_prefix: a prompt that several of a micro-batch's rollouts share runs once
+    (packing.pack_shared_prefix; a group's samples are neighbours). Returns one list of
+    per-token floats per rollout, on every rank."""
+    mine = list(range(len(rollouts)))[d.rank::d.world]
+    # Under FSDP2 every forward is a collective: a rank with a smaller share runs idle ones.
+    calls = math.ceil(math.ceil(len(rollouts) / d.world) / micro_batch)
+    local = {}
+    with torch.no_grad():
+        for i in range(0, calls * micro_batch, micro_batch):
+            part = mine[i:i + micro_batch]
+            if not part:
+                idle_forward(model, pad_id, d.device, lambda h, w: h.sum(), shared_prefix)
+                continue
+            packed = pack(model, [rollouts[j].prompt_ids + rollouts[j].response_ids for j in part],
+                          [len(rollouts[j].response_ids) for j in part], pad_id, d.device,
+                          images=[rollouts[j].row.get("images") for j in part], shared_prefix=shared_prefix)
+            logprobs = forward(model, packed, lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(
+                h, w, packed.targets, temperature)[0])
+            start = 0
+            for j in part:
+                local[j] = logprobs[start:start + len(rollouts[j].response_ids)].tolist()
+                start += len(rollouts[j].response_ids)
+    if d.world > 1:
+        gathered = [None] * d.world
+        dist.all_gather_object(gathered, local)
+        for g in gathered:
+            local.update(g)
+    return [local[i] for i in range(len(rollouts))]
+
+
+def idle_forward(model, pad_id: int, device, head, shared_prefix: bool = False, grouped: bool = False):
+    """A forward of a rank with nothing to run, on a two-token dummy: under FSDP2 every model
+    call is a collective, so it makes the calls a real micro-batch of the same layout makes
+    (each shared-prefix level is a call of its own)."""
+    return forward(model, pack(model, [[pad_id, pad_id]], [1], pad_id, device, shared_prefix=shared_prefix,
+                               groups=[None] if grouped else None), head)
+
+
+def share_prompts(cfg) -> bool:
+    """Whether a forward of the policy or reference runs a prompt that several of its
+    rollouts share once (--train.share_prompt_prefix): the old and reference log-probs, and
+    an unsharded policy's gradient forward, whose prompt KV cache then takes the gradient of
+    every sequence that reads it (the same gradient to float32 rounding; a mini-batch holds
+    every sample of its prompts: on the default job the gradient forward runs 1,865 padded
+    tokens a step, against 4,923 with --train.shuffle_samples). HF drops the KV cache under gradient checkpointing."""
+    return cfg.train.share_prompt_prefix and not cfg.model.gradient_checkpointing
+
+
+def forward(model, packed: packing.Packed, head):
+    """Run model (run.CausalLM) on packed sequences; head(hidden [N, H], lm_head weight) is
+    applied to the hidden states at the response positions inside the model's forward."""
+    return model(packed, head)
+
+
+def logprob_head(targets: torch.Tensor, temperature: float, chunk_size: int):
+    """Head for the policy-gradient, DPO and SFT losses: the log-probs of targets [N] (with
+    gradient) and the entropy [N] (without). chunk_size > 0: chunk_size rows of logits at a
+    time, never [N, V] (chunked_head.token_logprobs_from_hidden); 0: one pass over the full
+    float32 logits (plain autograd, which keeps them for backward)."""
+    def head(hidden, weight):
+        if chunk_size:
+            return chunked_head.token_logprobs_from_hidden(hidden, weight, targets, temperature, chunk_size)
+        logits = (hidden @ weight.T).float()
+        return losses.token_logprobs(logits, targets, temperature), losses.entropy_from_logits(logits.detach(), temperature)
+    return head
+
+
+def policy_logprobs(mb: MicroBatch, models: Models, cfg, temperature: float | None = None):
+    """The policy's log-probs [N] (with gradient) and entropies [N] of mb's response tokens,
+    at the sampling temperature unless given."""
+    temperature = cfg.rollout.temperature if temperature is None else temperature
+    return forward(models.policy, mb.packed, logprob_head(mb.packed.targets, temperature, cfg.train.head_chunk_size))
+
+
+def old_or_current(mb: MicroBatch, current_logprobs: torch.Tensor) -> torch.Tensor:
+    """The log-probs the update is relative to [N]: before the update, or (with a single
+    optimizer step per batch, where they are equal) the current ones, detached."""
+    return current_logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs
+
+
+def engine_correction(mb: MicroBatch, old_logprobs: torch.Tensor, cfg) -> torch.Tensor:
+    """Truncated IS weights [B, R] for the engine-vs-trainer mismatch:
+    min(exp(old - rollout), --rollout.is_cap), token or sequence level; 1 when off."""
+    if not cfg.rollout.is_correction:
+        return torch.ones(mb.packed.shape, device=mb.device)
+    return losses.importance_weights(mb.matrix(old_logprobs), mb.matrix(mb.rollout_logprobs), cfg.rollout.is_cap,
+                                     level=cfg.rollout.is_level, mask=mb.response_mask)
+
+
+def rollout_stats(mb: MicroBatch, old_logprobs: torch.Tensor, entropy: torch.Tensor,
+                  sampled: torch.Tensor | None = None) -> dict:
+    """Entropy, engine-vs-trainer mismatch KL and IS ratios, as (sum, count) over the tokens
+    the engine sampled (sampled [N]: 1 for those, 0 for a reference response's; None: all)."""
+    sampled = torch.ones_like(entropy) if sampled is None else sampled
+    tokens = sampled.sum().item()
+    ratio = (old_logprobs - mb.rollout_logprobs).clamp(-20, 20).exp()
+    return {
+        "actor/entropy": ((entropy * sampled).sum().item(), tokens),
+        "rollout/mismatch_kl": ((losses.kl_estimate(mb.rollout_logprobs, old_logprobs, "k3") * sampled).sum().item(),
+                                tokens),
+        "is/ratio_mean": ((ratio * sampled).sum().item(), tokens),
+        "is/ratio_max": (ratio[sampled > 0].max().item() if tokens else 0.0, 1.0),
+    }
+
+
+def aggregate(mb: MicroBatch, per_token_loss: torch.Tensor, mask: torch.Tensor, cfg, default_mode: str) -> torch.Tensor:
+    """losses.aggregate with the optimizer step's global counts (--algo.loss_agg_mode, or the
+    objective's default under "auto")."""
+    mode = default_mode if cfg.algo.loss_agg_mode == "auto" else cfg.algo.loss_agg_mode
+    return losses.aggregate(per_token_loss, mask, mode, global_tokens=mb.counts["tokens"],
+                            global_sequences=mb.counts["sequences"], max_len=mb.counts["max_len"])
