@@ -14,18 +14,16 @@ import sys
 
 import torch
 
-import feedback
 import chunked_head
 import microbatch
 import objectives
 import packing
 import sdpo
-import tasks
 from config import Config
 from logger import status
 from distributed import Dist, rank0_call
 from policy import load_policy, pad_token_id
-from rollout import generate_and_score, reward_function
+from rollout import generate_and_score
 
 
 
@@ -135,19 +133,6 @@ def stderr(values: list[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
 
 
-def teacher_context_ids(tokenizer, row: dict, kind: str, rng: random.Random, cfg: Config) -> list[int] | None:
-    """The row's prompt as SDPO's teacher sees it: with the reference as the demonstration
-    ("demonstration"), or with the feedback on a plausible wrong attempt ("feedback"; None
-    when the task has no wrong-answer generator or the feedback is empty)."""
-    if kind == "demonstration":
-        return sdpo.teacher_prompt_ids(tokenizer, row["messages"], row["reference"], None, cfg.sdpo)
-    wrong = tasks.wrong_response(row, rng)
-    if wrong is None:
-        return None
-    reward = feedback.score(reward_function(cfg, row), wrong, row, False)
-    return sdpo.teacher_prompt_ids(tokenizer, row["messages"], None, reward.feedback, cfg.sdpo) if reward.feedback else None
-
-
 def teacher_gap(engine, tokenizer, rows, cfg: Config) -> dict:
     """What SDPO relies on (the paper: it needs in-context ability): eval success of the
     model shown the reference as a demonstration, and shown a wrong attempt's feedback,
@@ -155,7 +140,7 @@ def teacher_gap(engine, tokenizer, rows, cfg: Config) -> dict:
     seed = cfg.rollout.eval_seed
     rng, out = random.Random(seed), {}
     for kind in ("demonstration", "feedback"):
-        pairs = [(row, teacher_context_ids(tokenizer, row, kind, rng, cfg)) for row in rows if row.get("reference")]
+        pairs = [(row, sdpo.teacher_context_ids(tokenizer, row, kind, rng, cfg)) for row in rows if row.get("reference")]
         pairs = [(row, ids) for row, ids in pairs if ids is not None]
         if pairs:
             rollouts = generate_and_score(engine, tokenizer, [r for r, _ in pairs], cfg, seed, cfg.rollout.eval_k,

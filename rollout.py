@@ -8,7 +8,6 @@ of it (docs/sync.md). Image prompts are token ids with one image token per pictu
 Sample's prompt_ids are the engine's expanded ids (image_prompts.ImagePrompts).
 """
 import contextlib
-import functools
 import json
 import os
 import shutil
@@ -469,25 +468,11 @@ def generate_and_score(engine, tokenizer, rows, cfg: Config, seed: int, n: int, 
                         text=s.text, truncated=s.truncated, policy_version=s.policy_version)
                 for row, samples in zip(rows, groups) for s in samples]
     rewards = feedback.score_batch(
-        reward_function(cfg, rows[0]),
+        feedback.reward_function(cfg, rows[0]),
         [r.text for r in rollouts], [r.row for r in rollouts], [r.truncated for r in rollouts])
     for rollout, reward in zip(rollouts, rewards):
         rollout.reward, rollout.feedback, rollout.reward_error = reward.score, reward.feedback, reward.error
     return rollouts
-
-
-def reward_function(cfg: Config, row: dict):
-    """--data.reward (or the row's own), with --data.reward_kwargs bound."""
-    fn = feedback.get_reward_fn(cfg.data.reward or row["reward"])
-    if not cfg.data.reward_kwargs:
-        return fn
-    try:
-        kwargs = json.loads(cfg.data.reward_kwargs)
-    except json.JSONDecodeError as e:
-        raise data.FlagError(f"--data.reward_kwargs is not a JSON object: {e}") from None
-    if not isinstance(kwargs, dict):
-        raise data.FlagError(f"--data.reward_kwargs must be a JSON object, got {cfg.data.reward_kwargs!r}")
-    return functools.partial(fn, **kwargs)
 
 
 def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):

@@ -10,10 +10,13 @@ trimming, escaping): docs/loop.md, Teacher contexts.
 """
 
 import json
+import random
 import re
 import string
 from dataclasses import dataclass
 
+import feedback
+import tasks
 from data import chat_prompt_ids, keep_images, truncate_middle
 from feedback import printable
 
@@ -309,3 +312,17 @@ def _teacher_inputs(tokenizer, rows, response_ids, feedbacks, demo_index, use_fb
         input_ids.append(list(prompt) + list(response_ids[i]))  # the student's ids, unchanged
         prompt_lens.append(len(prompt))
     return input_ids, prompt_lens
+
+
+def teacher_context_ids(tokenizer, row: dict, kind: str, rng: random.Random | None, cfg) -> list[int] | None:
+    """The row's prompt as SDPO's teacher sees it: with the reference as the demonstration
+    ("demonstration"), or with the feedback on a plausible wrong attempt ("feedback"; None
+    when the task has no wrong-answer generator or the feedback is empty). cfg: config.Config.
+    The warm start's teacher-context examples and the teacher gap's prompts."""
+    if kind == "demonstration":
+        return teacher_prompt_ids(tokenizer, row["messages"], row["reference"], None, cfg.sdpo)
+    wrong = tasks.wrong_response(row, rng)
+    if wrong is None:
+        return None
+    reward = feedback.score(feedback.reward_function(cfg, row), wrong, row, False)
+    return teacher_prompt_ids(tokenizer, row["messages"], None, reward.feedback, cfg.sdpo) if reward.feedback else None

@@ -22,7 +22,8 @@ import tasks
 import tiny_models
 from config import AlgoConfig, Config, OptimConfig, RolloutConfig, TrainConfig
 from data import read_rows, stream_seed
-from evaluate import success_rate, teacher_context_ids
+from evaluate import success_rate
+from sdpo import teacher_context_ids
 from distributed import Dist, rank0_call
 from microbatch import Rollout
 from policy import load_tokenizer, pad_token_id

@@ -13,8 +13,10 @@ be deterministic: the same response gives the same text.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+import json
 import numbers
 import os
 import re
@@ -24,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import isfinite  # not `import math`: the submodule feedback.math would replace that name
 from typing import Callable
+
+from errors import FlagError
 
 
 @dataclass
@@ -156,6 +160,21 @@ def get_reward_fn(name: str) -> Callable:
     if not callable(fn):
         raise ValueError(f"reward function {name!r} is not callable (it is a {type(fn).__name__})")
     return fn
+
+
+def reward_function(cfg, row: dict) -> Callable:
+    """The run's reward for row: --data.reward (or the row's own), with --data.reward_kwargs bound
+    (cfg: config.Config)."""
+    fn = get_reward_fn(cfg.data.reward or row["reward"])
+    if not cfg.data.reward_kwargs:
+        return fn
+    try:
+        kwargs = json.loads(cfg.data.reward_kwargs)
+    except json.JSONDecodeError as e:
+        raise FlagError(f"--data.reward_kwargs is not a JSON object: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise FlagError(f"--data.reward_kwargs must be a JSON object, got {cfg.data.reward_kwargs!r}")
+    return functools.partial(fn, **kwargs)
 
 
 def score(fn: Callable, response: str, row: dict, truncated: bool,

@@ -27,7 +27,7 @@ from config import TrainConfig
 from evaluate import context_entropies, paired_gain, row_success, stderr, teacher_gap, teacher_gap_warnings
 from logger import DEMO_RIGHT, DEMO_WRONG, FLAT_TEACHER_METRIC, FLAT_TEACHER_NATS
 from policy import CausalLM, load_policy, lr_factor
-from rollout import reward_function
+from feedback import reward_function
 from update import add_stats, rank_micro_batches, rank_share, reduce_stats, step_counts
 from warm_start import reference_success
 
