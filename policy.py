@@ -1,7 +1,7 @@
-"""The policy and the processes that train it: distributed setup (torchrun: gloo on CPU,
-NCCL on GPUs), the policy module (an HF causal LM whose forward ends in the loss's head),
-FSDP2 sharding, and the Trainer (the policy, the optional models an objective asks for,
-AdamW and its schedule)."""
+"""The policy: the module (an HF causal LM whose forward ends in the loss's head), FSDP2 sharding, the Trainer.
+
+The Trainer holds the policy, the optional models an objective asks for, AdamW and its schedule;
+the distributed setup they run under (torchrun: gloo on CPU, NCCL on GPUs) is distributed.py's."""
 from dataclasses import dataclass
 
 import torch
