@@ -521,7 +521,7 @@ def test_weight_sync_of_the_vision_tower_is_proven_by_the_image_probe(engine, hf
 @pytest.fixture(scope="module")
 def policy(vlm_dir):
     import run
-    from policy import CausalLM, load_policy
+    from policy import load_policy
     cfg = run.parse_config([])
     return load_policy(vlm_dir, cfg, 1, torch.device("cpu")).eval()
 
@@ -635,16 +635,15 @@ def test_engine_rollouts_score_the_same_in_the_trainer(engine, vlm_tokenizer, po
 def test_two_rank_torchrun_sdpo_on_the_picture_task(tmp_path):
     """FSDP2 over two ranks with the vision tower sharded, uneven micro-batches (an idle rank
     runs the tower on a blank picture), every sync proven by the image probe."""
-    from test_run import SMALL, _metrics, _run
+    from test_run import SMALL, _run, check_two_rank_run
     out = str(tmp_path / "sdpo")
-    _run(SMALL + ["--data.task=shapes", "--algo=sdpo", "--train.mini_batches=3", "--train.micro_batch=2",
-                  "--sdpo.teacher_micro_batch=2", f"--log.out_dir={out}"], nproc=2, timeout=600)
-    steps = [r for r in _metrics(out) if r["step"] > 0]
-    assert [r["step"] for r in steps] == [1, 2]
-    for r in steps:
-        assert r["sync/probe_max_abs_diff"] < 1e-3
-        assert r["actor/grad_norm"] > 0 and r["rollout/mismatch_kl"] < 1e-4
-    assert "eval/success_rate" in steps[-1] and "sdpo/divergence" in steps[-1]
+    # 16 rollouts in mini-batches of 6/5/5 and micro-batches of 2: one rank runs fewer
+    # micro-batches and must still join FSDP's and the teacher's collectives. The one
+    # two-rank SDPO run of the suite: the text model's path is the same code without the tower.
+    proc = _run(SMALL + ["--data.task=shapes", "--algo=sdpo", "--train.mini_batches=3", "--train.micro_batch=2",
+                         "--sdpo.teacher_micro_batch=2", f"--log.out_dir={out}"], nproc=2, timeout=600)
+    steps = check_two_rank_run(proc, out)
+    assert all(r["rollout/mismatch_kl"] < 1e-4 for r in steps)
     from transformers import AutoModelForImageTextToText
     AutoModelForImageTextToText.from_pretrained(os.path.join(out, "final"))
     data.ImagePrompts(os.path.join(out, "final"))  # with its image processor: it can be trained on again
