@@ -167,6 +167,15 @@ def load_policy(model_dir: str, cfg: Config, world: int, device, from_rank0: boo
     return model
 
 
+def tensor_identity(module) -> dict:
+    """State-dict name -> an id shared by the names of one tensor (a tied LM head and its
+    embedding), the same on every rank: the module's own parameters and buffers, since a state
+    dict detaches each anew under each name."""
+    identity = {n: id(t) for n, t in module.named_parameters(remove_duplicate=False)}
+    identity.update({n: id(t) for n, t in module.named_buffers(remove_duplicate=False)})
+    return identity
+
+
 LOAD_CHUNK_BYTES = 64 << 20  # at most this much of a tensor in flight at a time while loading (a row at least)
 
 
@@ -181,7 +190,7 @@ def broadcast_weights(hf, full: dict, device):
     parameters (bench/results/scale.md)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    state = hf.state_dict()
+    state, identity = hf.state_dict(), tensor_identity(hf)
     kinds = [{k: v.dtype for k, v in full.items()}]
     dist.broadcast_object_list(kinds, src=0)
     if set(kinds[0]) != set(state):  # every rank raises alike
@@ -189,9 +198,9 @@ def broadcast_weights(hf, full: dict, device):
                          f"{sorted(set(kinds[0]) - set(state))[:5]}, only in the model {sorted(set(state) - set(kinds[0]))[:5]}")
     done = set()
     for key, target in state.items():
-        if id(target) in done:  # a tied LM head: its embedding's tensor, loaded once
+        if identity.get(key, id(target)) in done:  # a tied LM head: its embedding's tensor, loaded once
             continue
-        done.add(id(target))
+        done.add(identity.get(key, id(target)))
         local = target.to_local() if isinstance(target, DTensor) else target
         shape = tuple(target.shape)
         if isinstance(target, DTensor):  # FSDP2: dim 0 sharded, this rank's rows [lo, lo + local rows)

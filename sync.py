@@ -34,7 +34,7 @@ import chunked_head
 import objectives
 import rollout
 from objectives import Dist
-from policy import CausalLM, pad_token_id
+from policy import CausalLM, pad_token_id, tensor_identity
 from teacher import reshard
 
 
@@ -131,12 +131,7 @@ class WeightStream:
 
     def _plan(self, hf) -> list[list[Entry]]:
         """Entries in state-dict order (layer by layer), packed into buckets."""
-        # one meta tensor per distinct tensor: a tied LM head is its embedding. Told apart by the
-        # module's own tensors (the same on every rank), not the state dict's, which are detached
-        # anew under each name
-        identity = {n: id(t) for n, t in hf.named_parameters(remove_duplicate=False)}
-        identity.update({n: id(t) for n, t in hf.named_buffers(remove_duplicate=False)})
-        shared = {}
+        identity, shared = tensor_identity(hf), {}  # one meta tensor per distinct tensor: a tied LM head is its embedding
         meta = {k: shared.setdefault(identity.get(k, id(v)), torch.empty(v.shape, dtype=v.dtype, device="meta"))
                 for k, v in self.state.items()}
         key_of = {}

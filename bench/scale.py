@@ -15,8 +15,9 @@ reads it, rank 1 builds on the meta device, FSDP2 shards, the weights arrive by 
 `sync.sync_engine` (the loop's sync and its probe) alternately through the weight group
 (`--rollout.sync group`, buckets of --bucket-mb) and through the file (`--rollout.sync file`),
 --syncs times each, after one untimed group sync that opens the group. Every sync carries new
-weights (the norms' weights are nudged before each). Last, trainer rank 0 copies the bytes a sync
-moves, one bucket at a time (one `copy_` of a bucket-sized buffer, repeated): the floor.
+weights (the norms' weights and the biases are nudged before each). Last, trainer rank 0 copies
+the bytes a sync moves, one bucket at a time (one `copy_` of a bucket-sized buffer, repeated):
+the floor.
 
 This process samples the resident memory (RSS, /proc/PID/statm) of every rank and every engine
 process every 10 ms, and the ranks mark when each phase starts and ends, so:
@@ -163,7 +164,7 @@ def child(args):
     norms = [p for p in model.parameters() if p.ndim == 1]
 
     def one_sync(how: str, version: int, label: str):
-        with torch.no_grad():  # new weights every sync: nudge the norms (every layer's output moves)
+        with torch.no_grad():  # new weights every sync: nudge the 1-D ones, norms and biases (every layer moves)
             for p in norms:
                 local_tensor(p).add_(1e-3)
         cfg.rollout.sync = how

@@ -53,10 +53,11 @@ def main(model_dir, out_dir, d):
         policy._auto_class = lambda path: ConfigOnly(read_anywhere(path))
     # pieces of a few rows, that straddle the ranks' shard boundaries; rank 1 records the largest it received
     policy.LOAD_CHUNK_BYTES = 6000
-    broadcast, received = policy.dist.broadcast, [0]
+    broadcast, received, total = policy.dist.broadcast, [0], [0]
 
     def recording(tensor, *args, **kwargs):
         received[0] = max(received[0], tensor.numel() * tensor.element_size())
+        total[0] += tensor.numel() * tensor.element_size()
         return broadcast(tensor, *args, **kwargs)
     policy.dist.broadcast = recording
     sharded = load_policy(model_dir, cfg, d.world, d.device)
@@ -64,6 +65,9 @@ def main(model_dir, out_dir, d):
     copy = copy_policy(sharded, model_dir, cfg, d.world, d.device)
     policy._auto_class = read_anywhere
     largest = [max(p.numel() * p.element_size() for p in sharded.parameters())]  # float32: the checkpoint's too
+    # every distinct tensor once (a tied LM head with its embedding), then the buffers
+    distinct = sum(p.numel() * p.element_size() for p in sharded.parameters()) + \
+        sum(b.numel() * b.element_size() for b in sharded.hf.buffers())
     pieces = [None] * d.world
     torch.distributed.all_gather_object(pieces, received[0])
     copied = {n: full_tensor(p).detach().clone() for n, p in copy.named_parameters()}
@@ -75,7 +79,8 @@ def main(model_dir, out_dir, d):
     if d.rank == 0:
         torch.save({"new": new, "old": old, "copy": (copied, copied_buffers),
                     "sharded": all(hasattr(p, "to_local") for p in sharded.parameters()),
-                    "largest_piece_rank1": pieces[1], "largest_tensor": largest[0]},
+                    "largest_piece_rank1": pieces[1], "largest_tensor": largest[0],
+                    "broadcast_bytes": total[0], "distinct_bytes": distinct},
                    os.path.join(out_dir, "result.pt"))
 
 
