@@ -38,7 +38,8 @@ broadcast; file: the state dict written). Prints a detail line per sync and per 
 and the issue's targets checked on the world-2 figures (load_peak_gb_rank1 <= 0.6 x full_fp32_gb;
 sync_peak_extra_gb_trainer <= 2 x bucket_gb + 0.05 x full_fp32_gb; sync_group_s <= sync_file_s).
 The machine's load average is printed at the start and the end: on a shared machine the seconds
-are noisy, the memory is not. Results: bench/results/scale.md; what they say at 8B and 32B:
+are noisy, the memory is not. At its peak (a file sync at two ranks) the bench's processes hold
+about 16 GB together: run it on a 24 GiB machine with little else running. Results: bench/results/scale.md; what they say at 8B and 32B:
 docs/scale.md. Not a test and not imported by any.
 """
 import argparse
