@@ -413,6 +413,23 @@ class TestOwnProcess:
 # two FSDP2 ranks under torchrun, engine on rank 0
 
 
+def test_a_tied_lm_head_travels_once(tiny_dir):
+    """The group path sends each distinct tensor once: the tied LM head with its embedding,
+    loaded under both names (a state dict detaches a tied tensor anew under each name)."""
+    import run
+    import sync
+    from objectives import Dist
+    from policy import load_policy
+    cpu = torch.device("cpu")
+    policy = load_policy(tiny_dir, run.Config(), 1, cpu)
+    stream = sync.WeightStream(policy, Dist(0, 1, cpu), torch.float32, 1 << 20)
+    assert stream.bytes_per_pass == 4 * sum(p.numel() for p in policy.parameters())
+    entries = [e for bucket in stream.buckets_plan for e in bucket]
+    assert sorted(next(e.names for e in entries if "lm_head.weight" in e.names)) == \
+        ["lm_head.weight", "model.embed_tokens.weight"]
+    assert stream.keys == sync.checkpoint_keys(tiny_dir)
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -456,5 +473,6 @@ def test_two_rank_torchrun_sync(tiny_dir, tmp_path):
         assert previous is None or group["scores"] != previous  # each step changed the weights
         previous = group["scores"]
         assert 0 < group["megabytes"] <= file["megabytes"]
+        assert group["megabytes"] == r0["distinct_megabytes"]  # a tied head travels once under FSDP2 too
     assert [row["group"]["megabytes"] for row in r1["group_vs_file"]] == \
         [row["group"]["megabytes"] for row in r0["group_vs_file"]]
