@@ -2,6 +2,7 @@
 
 The Trainer holds the policy, the optional models an objective asks for, AdamW and its schedule;
 the distributed setup they run under (torchrun: gloo on CPU, NCCL on GPUs) is distributed.py's."""
+import math
 from dataclasses import dataclass
 
 import torch
@@ -114,23 +115,22 @@ def load_policy(model_dir: str, cfg: Config, world: int, device, from_rank0: boo
     One process (world 1) reads the checkpoint and moves it to the device, as before. Under
     torchrun rank 0 alone reads the checkpoint, in its own dtype, on the CPU; every rank builds
     the model on the meta device (no memory), shards it and allocates only its own float32
-    shards on the device; the weights then arrive by broadcast from rank 0, one tensor at a
-    time, each rank keeping its slice (torch's set_model_state_dict with
-    broadcast_from_rank0). So no rank but 0 ever holds the whole model, and no device holds
-    more than its shards plus one tensor (docs/scale.md has the figures). from_rank0: the
-    broadcast path also at world 1 (a bench's one-rank process group); default world > 1."""
+    shards on the device; the weights then arrive by broadcast from rank 0, a piece of one
+    tensor at a time, each rank keeping its rows (broadcast_weights). So no rank but 0 ever
+    holds the whole model, or even one whole tensor of it, and no device holds more than its
+    shards plus one piece (docs/scale.md has the figures). from_rank0: the broadcast path also
+    at world 1 (a bench's one-rank process group); default world > 1."""
     if not (world > 1 if from_rank0 is None else from_rank0):
         hf = _auto_class(model_dir).from_pretrained(model_dir, dtype=torch.float32)
         if cfg.model.gradient_checkpointing:
             hf.gradient_checkpointing_enable()
         return shard(CausalLM(hf, _vision(model_dir)).to(device), world, device)
     model = empty_policy(model_dir, cfg, world, device)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     full, buffers = {}, {}
     if dist.get_rank() == 0:  # the checkpoint in its own dtype (bf16 for most real models): half the float32 bytes
         source = _auto_class(model_dir).from_pretrained(model_dir, dtype="auto")
         full, buffers = source.state_dict(), dict(source.named_buffers())
-    set_model_state_dict(model.hf, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    broadcast_weights(model.hf, full, device)
     del full
     # buffers outside the state dict (rotary frequencies) were left uninitialised by to_empty
     for name, buffer in model.hf.named_buffers():
@@ -138,6 +138,66 @@ def load_policy(model_dir: str, cfg: Config, world: int, device, from_rank0: boo
             buffer.copy_(buffers[name])
         dist.broadcast(buffer, src=0)
     return model
+
+
+def tensor_identity(module) -> dict:
+    """State-dict name -> an id shared by the names of one tensor (a tied LM head and its
+    embedding), the same on every rank: the module's own parameters and buffers, since a state
+    dict detaches each anew under each name."""
+    identity = {n: id(t) for n, t in module.named_parameters(remove_duplicate=False)}
+    identity.update({n: id(t) for n, t in module.named_buffers(remove_duplicate=False)})
+    return identity
+
+
+LOAD_CHUNK_BYTES = 64 << 20  # at most this much of a tensor in flight at a time while loading (a row at least)
+
+
+@torch.no_grad()
+def broadcast_weights(hf, full: dict, device):
+    """Rank 0's full tensors (full: its state dict, in the checkpoint's dtype; empty on the other
+    ranks) into every rank's shards of hf, in the order of hf's state dict. Each tensor travels
+    in pieces of whole rows of at most LOAD_CHUNK_BYTES, and each rank copies (and casts) the rows
+    of each piece that fall in its own shard, so that no rank but 0 ever holds a whole tensor:
+    torch's set_model_state_dict(broadcast_from_rank0=True) receives each tensor whole on every
+    rank, and the embedding or LM head of a large-vocabulary model can be a quarter of its
+    parameters (bench/results/scale.md)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    state, identity = hf.state_dict(), tensor_identity(hf)
+    kinds = [{k: v.dtype for k, v in full.items()}]
+    dist.broadcast_object_list(kinds, src=0)
+    if set(kinds[0]) != set(state):  # every rank raises alike
+        raise ValueError(f"the checkpoint's tensors are not the model's: only in the checkpoint "
+                         f"{sorted(set(kinds[0]) - set(state))[:5]}, only in the model {sorted(set(state) - set(kinds[0]))[:5]}")
+    done = set()
+    for key, target in state.items():
+        if identity.get(key, id(target)) in done:  # a tied LM head: its embedding's tensor, loaded once
+            continue
+        done.add(identity.get(key, id(target)))
+        local = target.to_local() if isinstance(target, DTensor) else target
+        shape = tuple(target.shape)
+        if isinstance(target, DTensor):  # FSDP2: dim 0 sharded, this rank's rows [lo, lo + local rows)
+            lo = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)[1][0]
+        else:
+            lo = 0
+        if not shape:  # a scalar
+            piece = full[key].to(device) if dist.get_rank() == 0 else torch.empty((), dtype=kinds[0][key], device=device)
+            dist.broadcast(piece, src=0)
+            local.copy_(piece)
+            continue
+        row_bytes = max(1, math.prod(shape[1:])) * torch.empty((), dtype=kinds[0][key]).element_size()
+        step = max(1, LOAD_CHUNK_BYTES // row_bytes)
+        for a in range(0, shape[0], step):
+            b = min(a + step, shape[0])
+            if dist.get_rank() == 0:
+                piece = full[key][a:b].to(device).contiguous()
+            else:
+                piece = torch.empty((b - a, *shape[1:]), dtype=kinds[0][key], device=device)
+            dist.broadcast(piece, src=0)
+            start, end = max(a, lo), min(b, lo + local.shape[0])
+            if start < end:
+                local[start - lo:end - lo].copy_(piece[start - a:end - a])
+            del piece
 
 
 def empty_policy(model_dir: str, cfg: Config, world: int, device) -> "CausalLM":

@@ -34,7 +34,7 @@ import chunked_head
 import microbatch
 import rollout
 from distributed import Dist, rank0_call, reshard
-from policy import CausalLM, pad_token_id
+from policy import CausalLM, pad_token_id, tensor_identity
 
 
 # ----------------------------------------------------------------------------------------
@@ -130,8 +130,8 @@ class WeightStream:
 
     def _plan(self, hf) -> list[list[Entry]]:
         """Entries in state-dict order (layer by layer), packed into buckets."""
-        shared = {}  # one meta tensor per distinct tensor: a tied LM head is its embedding
-        meta = {k: shared.setdefault(id(v), torch.empty(v.shape, dtype=v.dtype, device="meta"))
+        identity, shared = tensor_identity(hf), {}  # one meta tensor per distinct tensor: a tied LM head is its embedding
+        meta = {k: shared.setdefault(identity.get(k, id(v)), torch.empty(v.shape, dtype=v.dtype, device="meta"))
                 for k, v in self.state.items()}
         key_of = {}
         for k, t in meta.items():

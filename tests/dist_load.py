@@ -4,7 +4,8 @@
         tests/dist_load.py MODEL_DIR OUT_DIR
 
 Each rank loads the model twice: by policy.load_policy (rank 0 reads the checkpoint, the
-other rank builds on the meta device, the weights arrive by broadcast) and the way every rank
+other rank builds on the meta device, the weights arrive by broadcast in pieces of a few
+rows, and rank 1 records the largest piece it received) and the way every rank
 loaded it before (each reads the whole float32 checkpoint, then shards it), and takes the
 gradient of one loss on the same sequence through each; rank 0 writes both models' full
 weights, buffers and gradients (result.pt), and a copy_policy copy's weights, which the test
@@ -50,9 +51,25 @@ def main(model_dir, out_dir, d):
             def from_pretrained(self, *args, **kwargs):
                 raise AssertionError(f"rank {d.rank} read the checkpoint")
         policy._auto_class = lambda path: ConfigOnly(read_anywhere(path))
+    # pieces of a few rows, that straddle the ranks' shard boundaries; rank 1 records the largest it received
+    policy.LOAD_CHUNK_BYTES = 6000
+    broadcast, received, total = policy.dist.broadcast, [0], [0]
+
+    def recording(tensor, *args, **kwargs):
+        received[0] = max(received[0], tensor.numel() * tensor.element_size())
+        total[0] += tensor.numel() * tensor.element_size()
+        return broadcast(tensor, *args, **kwargs)
+    policy.dist.broadcast = recording
     sharded = load_policy(model_dir, cfg, d.world, d.device)
+    policy.dist.broadcast = broadcast
     copy = copy_policy(sharded, model_dir, cfg, d.world, d.device)
     policy._auto_class = read_anywhere
+    largest = [max(p.numel() * p.element_size() for p in sharded.parameters())]  # float32: the checkpoint's too
+    # every distinct tensor once (a tied LM head with its embedding), then the buffers
+    distinct = sum(p.numel() * p.element_size() for p in sharded.parameters()) + \
+        sum(b.numel() * b.element_size() for b in sharded.hf.buffers())
+    pieces = [None] * d.world
+    torch.distributed.all_gather_object(pieces, received[0])
     copied = {n: full_tensor(p).detach().clone() for n, p in copy.named_parameters()}
     copied_buffers = {n: b.detach().clone() for n, b in copy.named_buffers()}
     new = weights_and_grads(sharded)
@@ -61,7 +78,9 @@ def main(model_dir, out_dir, d):
     old = weights_and_grads(shard(CausalLM(hf, _vision(model_dir)).to(d.device), d.world, d.device))
     if d.rank == 0:
         torch.save({"new": new, "old": old, "copy": (copied, copied_buffers),
-                    "sharded": all(hasattr(p, "to_local") for p in sharded.parameters())},
+                    "sharded": all(hasattr(p, "to_local") for p in sharded.parameters()),
+                    "largest_piece_rank1": pieces[1], "largest_tensor": largest[0],
+                    "broadcast_bytes": total[0], "distinct_bytes": distinct},
                    os.path.join(out_dir, "result.pt"))
 
 

@@ -89,6 +89,7 @@ def main(out_dir, model_dir, d):
     cfg.rollout.sync_bucket_mb = 1  # several buckets, and tensors larger than one
     sequences = [probe, probe[: len(probe) // 2], list(reversed(probe))]
     result["group_vs_file"] = []
+    result["distinct_megabytes"] = sum(p.numel() * 4 for p in policy.parameters()) / 1e6  # a tied tensor once
     for step in range(2):
         loss = policy(packed, lambda h, w: -losses.token_logprobs(h @ w.T, packed.targets).mean())
         loss.backward()

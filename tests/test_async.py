@@ -356,25 +356,35 @@ def test_each_batch_comes_from_the_weights_before_the_last_update(tiny_dir, toke
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", [pytest.param("sdpo", marks=pytest.mark.extended), "grpo"])
-def test_two_rank_torchrun_generates_ahead(algo, tmp_path):
-    out = str(tmp_path / algo)
-    # a reward that differs within a group, so that every step has an update to correct for staleness
-    # (the untrained model's strops rewards all tie, and a step whose groups all tie runs no forward)
-    (tmp_path / "parity.py").write_text("def reward(response, row, truncated):\n    return float(len(response) % 2)\n")
-    _run(SMALL + [f"--algo={algo}", "--train.steps=3", "--train.off_policy_steps=1", "--train.eval_every=3",
+@pytest.mark.extended  # GRPO's two-rank asynchronous run is tests/test_faults.py's engine-kill run
+def test_two_rank_torchrun_sdpo_generates_ahead(tmp_path):
+    out = str(tmp_path / "sdpo")
+    (tmp_path / "parity.py").write_text(PARITY_REWARD)
+    _run(SMALL + ["--algo=sdpo", "--train.steps=3", "--train.off_policy_steps=1", "--train.eval_every=3",
                   f"--data.reward={tmp_path / 'parity.py'}:reward", f"--log.out_dir={out}"], nproc=2)
-    records = _metrics(out)
-    steps = [r for r in records if r["step"] > 0]
-    assert [r["step"] for r in steps] == [1, 2, 3]
-    assert [r["async/staleness"] for r in steps] == [0, 1, 1]
-    for r in steps:
-        assert r["sync/probe_max_abs_diff"] < 1e-3
-        for key in ("is/ratio_mean", "is/ratio_max", "rollout/mismatch_kl", "time/wait_rollout_s", "time/wait_sync_s"):
-            assert key in r, key
+    steps = check_generated_ahead(_metrics(out), 3)
     assert "eval/success_rate" in steps[-1]
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
+
+
+# a reward that differs within a group, so that every step has an update to correct for staleness
+# (the untrained model's strops rewards all tie, and a step whose groups all tie runs no forward)
+PARITY_REWARD = "def reward(response, row, truncated):\n    return float(len(response) % 2)\n"
+
+
+def check_generated_ahead(records, steps):
+    """The first `steps` steps of a two-rank run with --train.off_policy_steps 1: batch 1 from
+    the start's weights, each later one generated while the step before it trained (staleness
+    1), every sync proven, and the figures of the off-policy correction logged."""
+    done = [r for r in records if 0 < r["step"] <= steps]
+    assert [r["step"] for r in done] == list(range(1, steps + 1))
+    assert [r["async/staleness"] for r in done] == [0] + [1] * (steps - 1)
+    for r in done:
+        assert r["sync/probe_max_abs_diff"] < 1e-3
+        for key in ("is/ratio_mean", "is/ratio_max", "rollout/mismatch_kl", "time/wait_rollout_s", "time/wait_sync_s"):
+            assert key in r, key
+    return done
 
 
 if __name__ == "__main__":  # PYTHONPATH=. python tests/test_async.py: rewrite tests/golden_run.json from the current code

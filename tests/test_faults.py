@@ -2,9 +2,10 @@
 written, `--train.resume OUT_DIR`, an out_dir that cannot take the run, an engine whose
 process dies, a trainer killed mid-run.
 
-The fast tests check the pieces; the slow ones kill real runs: a trainer killed with
-SIGKILL (and one stopped with Ctrl-C) resumes to the same metrics as an uninterrupted run,
-and an engine process killed under two-rank torchrun stops both ranks with an EngineError.
+The fast tests check the pieces; the slow ones kill real runs: a run stopped with Ctrl-C,
+resumed, then SIGKILLed and resumed again ends with the metrics and weights of an
+uninterrupted run, and an engine process killed under two-rank torchrun stops both ranks
+with an EngineError.
 """
 import contextlib
 import json
@@ -22,9 +23,8 @@ import torch
 import data
 import microbatch
 import objectives
-import rollout
 import run
-from test_run import ONE_PROCESS, ROOT, SMALL, _free_port, _metrics, _policy, _run
+from test_run import ONE_PROCESS, ROOT, SMALL, _free_port, _metrics, _policy
 from checkpoint import parameter_count
 
 
@@ -264,7 +264,7 @@ def _sid(p):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """KILLED_RUN never stopped: what the SIGKILL and the Ctrl-C runs must resume to."""
+    """KILLED_RUN never stopped: what the stopped runs must resume to."""
     whole = str(tmp_path_factory.mktemp("uninterrupted") / "whole")
     proc = _start(KILLED_RUN + [f"--log.out_dir={whole}"])
     assert proc.wait(timeout=600) == 0, proc.stdout.read()[-5000:]
@@ -293,24 +293,6 @@ def _resumes_to_the_uninterrupted_run(stopped, whole):
         assert torch.equal(tensor, resumed[name]), name
 
 
-@pytest.mark.slow
-def test_trainer_killed_mid_run_resumes_to_the_metrics_of_an_uninterrupted_run(uninterrupted, tmp_path):
-    """SIGKILL of the trainer during step 3 of an asynchronous run (its engine generating
-    ahead), then --train.resume OUT_DIR: the metrics and weights of a run never stopped."""
-    killed = str(tmp_path / "killed")
-    proc = _start(KILLED_RUN + [f"--log.out_dir={killed}"])
-    _wait_for(lambda: os.path.isdir(os.path.join(killed, "checkpoint-2")), proc, "checkpoint-2")
-    trainer = psutil.Process(proc.pid)
-    trainer.kill()  # the trainer alone: its engine's processes are left to the reaper
-    proc.wait()
-    assert 4 not in _steps_logged(killed) and not os.path.exists(os.path.join(killed, "final"))
-    deadline = time.monotonic() + 60
-    while _session_processes(proc) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _session_processes(proc), "the killed trainer's engine processes outlived it"
-    _resumes_to_the_uninterrupted_run(killed, uninterrupted)
-
-
 def _final_weights(out):
     from safetensors.torch import load_file
     return load_file(os.path.join(out, "final", "model.safetensors"))
@@ -327,15 +309,19 @@ def _engine_core(proc):
 
 @pytest.mark.slow
 def test_engine_killed_mid_step_stops_both_ranks_with_an_engine_error(tmp_path):
-    """Two-rank torchrun, asynchronous: kill -9 of the engine core once step 1 is logged (the
-    engine is then generating batch 2 in the background, or loading weights). Both ranks stop
-    with an EngineError well within the RPC timeout, and the checkpoint of the last finished
-    step is complete."""
+    """Two-rank torchrun of GRPO, asynchronous: the steps before the kill generate ahead as
+    they should (tests/test_async.py check_generated_ahead; this is the suite's two-rank
+    asynchronous run). Then kill -9 of the engine core once step 2 is logged (the engine is
+    then generating batch 3 in the background, or loading weights): both ranks stop with an
+    EngineError well within the RPC timeout, and the checkpoint of the last finished step is
+    complete."""
+    from test_async import PARITY_REWARD, check_generated_ahead
     out = str(tmp_path / "run")
+    (tmp_path / "parity.py").write_text(PARITY_REWARD)
     proc = _start(SMALL + ["--algo=grpo", "--train.steps=8", "--train.save_every=1", "--train.eval_every=0",
                            "--train.off_policy_steps=1", "--rollout.rpc_timeout_s=300",
-                           f"--log.out_dir={out}"], nproc=2)
-    _wait_for(lambda: 1 in _steps_logged(out), proc, "step 1")
+                           f"--data.reward={tmp_path / 'parity.py'}:reward", f"--log.out_dir={out}"], nproc=2)
+    _wait_for(lambda: 2 in _steps_logged(out), proc, "step 2")
     engine = _engine_core(proc)
     assert engine is not None
     engine.kill()
@@ -351,14 +337,20 @@ def test_engine_killed_mid_step_stops_both_ranks_with_an_engine_error(tmp_path):
     assert 8 not in _steps_logged(out)
     resume_from = run.checkpoint_path(out)
     assert os.path.exists(os.path.join(resume_from, ".metadata"))
+    check_generated_ahead(_metrics(out), 2)
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_the_run_and_its_engine_and_it_resumes_to_the_uninterrupted_run(uninterrupted, tmp_path):
-    """SIGINT to the run's process group (what Ctrl-C in a terminal sends) while the engine
-    generates ahead: the run stops with KeyboardInterrupt, leaves no process behind, and the
-    checkpoints it finished are complete (one it was writing stays a .partial directory);
-    --train.resume then gives the metrics and weights of the run never stopped."""
+def test_a_run_stopped_by_ctrl_c_then_killed_resumes_each_time_to_the_uninterrupted_run(uninterrupted, tmp_path):
+    """One asynchronous run (its engine generating ahead) stopped twice, each stop resumed
+    with --train.resume OUT_DIR:
+    1. SIGINT to the run's process group (what Ctrl-C in a terminal sends) after checkpoint
+       1: the run stops with KeyboardInterrupt, leaves no process behind, and the checkpoints
+       it finished are complete (one it was writing stays a .partial directory);
+    2. the resumed run, SIGKILLed (the trainer alone; its engine's processes are left to the
+       reaper) once it has saved the next checkpoint;
+    3. resumed again, to the end: every step's metrics and the final weights are those of the
+       run never stopped, the step each resume wrote included."""
     out = str(tmp_path / "run")
     proc = _start(KILLED_RUN + [f"--log.out_dir={out}"])
     _wait_for(lambda: os.path.isdir(os.path.join(out, "checkpoint-1")), proc, "checkpoint-1")
@@ -370,13 +362,27 @@ def test_ctrl_c_stops_the_run_and_its_engine_and_it_resumes_to_the_uninterrupted
         raise
     assert proc.returncode != 0, output[-5000:]
     assert "KeyboardInterrupt" in output, output[-5000:]
+    _no_process_left(proc)
+    assert os.path.exists(os.path.join(run.checkpoint_path(out), ".metadata"))
+    assert not os.path.exists(os.path.join(out, "final"))
+
+    stopped_at = int(os.path.basename(run.checkpoint_path(out)).split("-")[1])
+    assert stopped_at <= 2, stopped_at  # two steps left: one for the resumed run, one after its kill
+    proc = _start(KILLED_RUN + [f"--log.out_dir={out}", f"--train.resume={out}"])
+    _wait_for(lambda: os.path.isdir(os.path.join(out, f"checkpoint-{stopped_at + 1}")), proc,
+              f"checkpoint-{stopped_at + 1}")
+    psutil.Process(proc.pid).kill()
+    proc.wait()
+    assert 4 not in _steps_logged(out) and not os.path.exists(os.path.join(out, "final"))
+    _no_process_left(proc)
+    _resumes_to_the_uninterrupted_run(out, uninterrupted)
+
+
+def _no_process_left(proc):
     deadline = time.monotonic() + 60
     while _session_processes(proc) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _session_processes(proc)
-    assert os.path.exists(os.path.join(run.checkpoint_path(out), ".metadata"))
-    assert not os.path.exists(os.path.join(out, "final"))
-    _resumes_to_the_uninterrupted_run(out, uninterrupted)
+    assert not _session_processes(proc), "the stopped run's processes outlived it"
 
 
 def test_after_ctrl_c_the_run_stops_with_keyboard_interrupt_whatever_else_failed():

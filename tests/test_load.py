@@ -33,6 +33,9 @@ def test_sharded_loading_gives_todays_weights_buffers_and_first_gradients(model,
     model_dir = tiny_models.tiny_model_dir() if model == "tiny" else tiny_models.tiny_vlm_dir()
     result = _two_ranks(model_dir, tmp_path)
     assert result["sharded"]
+    # rank 1 received the weights in pieces (policy.LOAD_CHUNK_BYTES, set to 6000 there), never a whole tensor
+    assert 0 < result["largest_piece_rank1"] <= 6000 < result["largest_tensor"]
+    assert result["broadcast_bytes"] == result["distinct_bytes"]  # a tied LM head travels once
     (new_w, new_b, new_g), (old_w, old_b, old_g) = result["new"], result["old"]
     assert new_w.keys() == old_w.keys() and new_b.keys() == old_b.keys() and new_g.keys() == old_g.keys()
     for name in old_w:  # loading copies float32 values: equal to the bit
