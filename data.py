@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from feedback.quiz import QUIZ_FEEDBACK, QUIZ_OPS
 from feedback.shapes import PICTURE_QUIZ_INSTRUCTION, SCENE_QUESTION
 from feedback.strops import OPS, run_program
+from tasks.manners import DEFAULT_MANNERS, manners_row
 
 # ----------------------------------------------------------------------------------------
 # Synthetic tasks. Each yields train and held-out rows; the split is a hash of the row's
@@ -62,6 +63,7 @@ class TaskConfig:
     quiz_max: int = 20
     quiz_ops: str = "+*"  # operators drawn from (+ - *)
     quiz_feedback: str = QUIZ_FEEDBACK[0]  # a wrong line's feedback: "marks" (b:3*4 is wrong.) or "values" (b:3*4 is not 13.)
+    manners: str = DEFAULT_MANNERS  # the manners task: the manners a reference is drawn from, one per row (tasks/manners.py)
     heldout_percent: int = 10  # share of the content hash space that is held out
 
 
@@ -242,7 +244,7 @@ def _quiz_row(rng: random.Random, cfg: TaskConfig) -> dict:
     }
 
 
-TASKS = {"arith": _arith_row, "strops": _strops_row, "quiz": _quiz_row, "shapes": _shapes_row}
+TASKS = {"arith": _arith_row, "strops": _strops_row, "quiz": _quiz_row, "shapes": _shapes_row, "manners": manners_row}
 TEXT_TASKS = ("arith", "strops", "quiz")
 IMAGE_TASKS = ("shapes",)  # their default model is the tiny vision-language one
 

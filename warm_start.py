@@ -30,7 +30,8 @@ from rollout import generate_and_score, rank0_call, start_engine
 # part of its cache key, so that an edit to a generator, a checker, a template, the SFT loss or
 # the loop builds it anew (data.source_hash; comments and docstrings aside).
 WARM_START_SOURCES = ("run.py", "warm_start.py", "config.py", "policy.py", "update.py", "objectives.py", "losses.py",
-                      "chunked_head.py", "sdpo.py", "evaluate.py", *data.TINY_SOURCES, "feedback/math.py")  # the tasks' checkers
+                      "chunked_head.py", "sdpo.py", "evaluate.py", *data.TINY_SOURCES, "feedback/math.py",
+                      "tasks/manners.py")  # the tasks' checkers
 
 
 def tiny_model_dir(cfg: Config) -> str:
@@ -73,6 +74,8 @@ def warm_start_key(cfg: Config, warm: Config, warm_train: dict) -> list:
     train_data = {k: v for k, v in dataclasses.asdict(warm.data).items() if k not in ("eval_rows", "eval_path")}
     if cfg.data.task != "quiz" or cfg.data.quiz_feedback == "values":  # only the quiz's warm start shows it
         train_data.pop("quiz_feedback")
+    if cfg.data.task != "manners":  # only the manners task reads it
+        train_data.pop("manners")
     train_data.pop("shapes_warm_start_questions")  # in effect as shapes_questions
     if "quiz" not in warm.data.shapes_questions.split(","):
         train_data.pop("shapes_quiz_questions")

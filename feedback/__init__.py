@@ -108,7 +108,8 @@ def shortest_first(tests: list[dict], size: Callable[[dict], int] = lambda t: le
 
 BUILTIN = {"math": ("feedback.math", "math_reward"), "strops": ("feedback.strops", "strops_reward"),
            "code": ("feedback.code", "code_reward"), "mc": ("feedback.mc", "mc_reward"),
-           "shapes": ("feedback.shapes", "shapes_reward"), "quiz": ("feedback.quiz", "quiz_reward")}
+           "shapes": ("feedback.shapes", "shapes_reward"), "quiz": ("feedback.quiz", "quiz_reward"),
+           "manners": ("tasks.manners", "manners_reward")}
 
 
 def get_reward_fn(name: str) -> Callable:
