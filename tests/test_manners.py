@@ -4,7 +4,6 @@ constant-reward control (--gad.reward=constant). Cheap: no engine."""
 import random
 
 import pytest
-import torch
 
 import data
 import run
