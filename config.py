@@ -170,6 +170,9 @@ class GadConfig:
     # the discriminator's score has no fixed scale: GAD's advantages are divided by the group's std
     norm_adv_by_std: bool = True
     teacher_temperature: float = 0.6  # the self-made teacher's sampling temperature
+    # "constant": every sample's reward is 0 (the control: the same stages, SFT warmup and KL to the start,
+    # with no signal from the discriminator, which still trains and logs d_acc; docs/gad.md)
+    reward: Literal["discriminator", "constant"] = "discriminator"
 
     def __post_init__(self):
         if self.lr <= 0 or self.grad_clip <= 0 or self.warmup_steps < 0 or self.critic_warmup < 0 \

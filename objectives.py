@@ -494,6 +494,8 @@ def gad_rewards(rollouts: list, models: Models, cfg, pad_id: int, d: Dist) -> di
     if truncated:  # scored as they are: no EOS at the end
         metrics["gad/student_score_truncated"] = sum(truncated) / len(truncated)
     rewards = torch.tensor([r.discriminator_score for r in samples], dtype=torch.float64)
+    if cfg.gad.reward == "constant":  # the control: no signal, only the KL to the start moves the policy
+        rewards.zero_()
     if stage == "gad" and models.reference is not None:
         sequence_kl = []
         for r, logprobs in zip(samples, reference_token_logprobs(samples, models, cfg, pad_id, d, metrics)):

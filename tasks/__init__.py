@@ -29,6 +29,7 @@ TASKS = {name: importlib.import_module(f"tasks.{name}") for name in (
     "strops",
     "quiz",
     "shapes",
+    "manners",
 )}
 IMAGE_TASKS = tuple(name for name, task in TASKS.items() if getattr(task, "IMAGES", False))
 

@@ -1029,7 +1029,7 @@ def test_a_file_without_a_reward_is_refused_and_a_row_keeps_the_files_columns(tm
     path.write_text(json.dumps({"prompt": "2+2?", "answer": "4", "difficulty": 3}) + "\n")
     cfg = run.parse_config([f"--data.task={path}"])
     with pytest.raises(data.DataError, match=r"d.jsonl, row 1, field 'reward' \(column 'reward'\): missing, and "
-                                             r"--data.reward is not set: pass --data.reward code\|math\|mc\|"):
+                                             r"--data.reward is not set: pass --data.reward code\|manners\|math\|mc\|"):
         data.read_rows(cfg)
     row = data.load_rows(str(path), reward="math")[0]
     assert row["reward"] == "math" and row["columns"] == {"prompt": "2+2?", "answer": "4", "difficulty": 3}
