@@ -54,7 +54,7 @@ def patched_env(set_vars: dict, remove_vars=()):
 
 
 REAPER = """
-import signal, sys, time, psutil
+import shutil, signal, sys, time, psutil
 def _running(p):
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
@@ -67,7 +67,10 @@ for pid in sys.argv[1:]:
         processes.append(psutil.Process(int(pid)))  # remembers its start time: a reused pid is never hit
     except psutil.Error:
         pass
-sys.stdin.read()  # returns when the pipe closes: the trainer closed the engine, or died
+# each line the trainer writes is a directory of its own to remove at the end (the file sync's,
+# in /dev/shm: memory that would outlive a killed run); the loop ends when the pipe closes, i.e.
+# when the trainer closed the engine, or died
+directories = [line.strip() for line in sys.stdin if line.strip()]
 for p in processes:
     try:
         p.terminate()
@@ -83,14 +86,23 @@ for p in processes:
         p.kill()
     except psutil.Error:
         pass
+for directory in directories:
+    shutil.rmtree(directory, ignore_errors=True)
 """
 
 
 def start_reaper(processes: list):
-    """A small process that terminates `processes` once this process has gone (its stdin closes)."""
+    """A small process that terminates `processes` once this process has gone (its stdin closes),
+    then removes the directories written to its stdin, one a line (`reap_directory`)."""
     import subprocess
     return subprocess.Popen([sys.executable, "-c", REAPER] + [str(p.pid) for p in processes],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+
+
+def reap_directory(reaper, directory: str):
+    """Have `reaper` remove `directory` when the trainer goes, even by SIGKILL."""
+    reaper.stdin.write(f"{directory}\n".encode())
+    reaper.stdin.flush()
 
 
 def descendants() -> set[int]:

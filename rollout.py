@@ -28,7 +28,7 @@ from microbatch import Rollout
 from config import Config
 from logger import status
 from processes import (TORCHRUN_VARS, alive, cpu_split, descendants, engine_env, patched_env, quiet_vllm_logging,
-                       supervise, use_plugins)
+                       reap_directory, supervise, use_plugins)
 
 MAX_IMAGES_PER_PROMPT = 4
 
@@ -312,6 +312,8 @@ class Engine:
             # protocol), so they go through a safetensors file in shared memory.
             if self._sync_dir is None:
                 self._sync_dir = tempfile.mkdtemp(prefix="sdpo-sync-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+                if self._reaper is not None:
+                    reap_directory(self._reaper, self._sync_dir)
             sync.write_sync_file(self._sync_dir, weights)
             load = lambda: self._reload(weights_path=self._sync_dir)
         else:

@@ -213,6 +213,46 @@ def test_run_with_an_unwritable_out_dir_stops_before_starting_anything(tmp_path)
 
 
 # ----------------------------------------------------------------------------------------
+# the reaper: what a trainer killed by SIGKILL leaves behind
+
+
+TRAINER_KILLED = """
+import subprocess, sys, tempfile, time
+sys.path.insert(0, sys.argv[1])
+from processes import reap_directory, start_reaper
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+reaper = start_reaper([engine])
+directory = tempfile.mkdtemp(prefix="sdpo-sync-", dir=sys.argv[2])
+reap_directory(reaper, directory)
+print(engine.pid, directory, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_trainer_killed_by_sigkill_leaves_no_engine_and_no_sync_directory(tmp_path):
+    """The reaper ends the engine's processes and removes the file sync's directory (in
+    /dev/shm: memory that outlives the run) when the trainer dies without a word."""
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER_KILLED, ROOT, str(tmp_path)],
+                               stdout=subprocess.PIPE, text=True)
+    engine_pid, directory = trainer.stdout.readline().split()
+    engine = psutil.Process(int(engine_pid))
+    assert os.path.isdir(directory) and engine.is_running()
+    trainer.kill()
+    trainer.wait()
+    deadline = time.monotonic() + 30
+    while (os.path.exists(directory) or _running(engine)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(engine), "the engine outlived its killed trainer"
+    assert not os.path.exists(directory), "the sync directory outlived its killed trainer"
+
+
+def _running(p):
+    with contextlib.suppress(psutil.Error):
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    return False
+
+
+# ----------------------------------------------------------------------------------------
 # real runs, killed
 
 
