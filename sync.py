@@ -314,6 +314,22 @@ def release_freed_memory():
 # the loop's sync: every rank
 
 
+def probe_logprobs(policy, tokenizer, d: Dist):
+    """The fixed probe (ids, pictures or None) and the trainer's log-probs of it: what the engine's
+    must match after a sync. A vision-language model's probe holds a picture: a sync that missed
+    the vision tower fails it."""
+    probe, pictures = rollout.image_probe(tokenizer) if policy.vision is not None else \
+        (rollout.probe_ids(tokenizer), None)
+    scored = policy.vision.expand(probe, pictures)[0] if pictures else probe  # the engine scores the expanded ids
+    packed = microbatch.pack(policy, [scored], [len(scored) - 1], pad_token_id(tokenizer), d.device,
+                             images=[pictures] if pictures else None)
+    with torch.no_grad():
+        head = lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(h, w, packed.targets)[0]
+        probe_lp = microbatch.forward(policy, packed, head)
+    reshard(policy)  # a no-grad forward leaves FSDP2's root unsharded
+    return probe, pictures, probe_lp
+
+
 def sync_engine(cfg, engine, policy, tokenizer, d: Dist, version: int) -> dict:
     """Load the policy's weights (the version-th) into the engine and prove it: the engine's
     log-probs of a fixed probe must match the trainer's within --rollout.sync_tol. Also times
@@ -325,16 +341,7 @@ def sync_engine(cfg, engine, policy, tokenizer, d: Dist, version: int) -> dict:
         weights = WeightStream(policy, d, getattr(torch, dtype), cfg.rollout.sync_bucket_mb * 2 ** 20)
     else:
         weights = full_state_dict(policy, d.world)
-    # a vision-language model's probe holds a picture: a sync that missed the vision tower fails it
-    probe, pictures = rollout.image_probe(tokenizer) if policy.vision is not None else \
-        (rollout.probe_ids(tokenizer), None)
-    scored = policy.vision.expand(probe, pictures)[0] if pictures else probe  # the engine scores the expanded ids
-    packed = microbatch.pack(policy, [scored], [len(scored) - 1], pad_token_id(tokenizer), d.device,
-                             images=[pictures] if pictures else None)
-    with torch.no_grad():
-        head = lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(h, w, packed.targets)[0]
-        probe_lp = microbatch.forward(policy, packed, head)
-    reshard(policy)
+    probe, pictures, probe_lp = probe_logprobs(policy, tokenizer, d)
     tol = cfg.rollout.sync_tol or (1e-3 if dtype == "float32" else 1.0)
 
     def load():

@@ -26,6 +26,12 @@ process every 10 ms, and the ranks mark when each phase starts and ends, so:
   sync_peak_extra_gb_trainer trainer rank 0's peak RSS during a sync above its RSS just before
                              (the highest of the syncs of the group path)
   sync_peak_extra_gb_engine  the same for the engine (its processes' RSS summed), group path
+  sync_stream_peak_extra_gb_trainer  sync_peak_extra_gb_trainer from the moment the trainer's
+                             probe forward is done (the gather, the buckets, the engine's load)
+  forward_peak_extra_gb_trainer  trainer rank 0's peak above its RSS just before during the
+                             probe's forward alone, outside any sync: FSDP2 all-gathers each
+                             unit into a flat buffer and copies it out, so the root unit (here
+                             the tied embedding) is whole twice for a moment, in every forward
 and their file-path counterparts on the detail lines. Seconds are `sync/seconds` as the run logs
 it (gather, transfer, load, prefix-cache reset and the probe's proof on both sides); the mean
 over the syncs, with the min-max spread printed. Bytes: `sync/megabytes` (group: the bytes
@@ -186,6 +192,12 @@ def child(args):
             mark("engine_update_start")
             return update_weights(*a, **k)
         engine.update_weights = marked
+    for _ in range(2):  # the probe's forward alone (a training forward unshards the same way), twice
+        barrier()
+        time.sleep(0.2)
+        mark("forward_start")
+        sync.probe_logprobs(model, tokenizer, d)
+        mark("forward_end")
     version = 1
     one_sync("group", version, "open")  # the first group sync opens the weight group
     for i in range(args.syncs):
@@ -278,7 +290,8 @@ class Sampler:
 def peak_extra(series, start: float, end: float) -> tuple[float, float, float]:
     """(RSS just before start, peak RSS in [start, end], peak above before), GB."""
     before = [v for t, v in series if t < start]
-    during = [v for t, v in series if start <= t <= end]
+    # a phase shorter than the sampling interval: the first sample after it
+    during = [v for t, v in series if start <= t <= end] or [v for t, v in series if t > end][:1]
     if not before or not during:
         return float("nan"), float("nan"), float("nan")
     return before[-1] / GB, max(during) / GB, (max(during) - before[-1]) / GB
@@ -339,21 +352,30 @@ def analyse(args, world: int, events: list, sampler: Sampler, wall_s: float) -> 
         print(f"[world {world}] load, rank {r}: RSS {before:.2f} GB before, peak {peak:.2f} GB: +{extra:.2f} GB",
               flush=True)
     trainer, engine_series = sampler.series([rank_pid[0]]), sampler.series(engine_pids)
+    forwards = [peak_extra(trainer, s["t"], e["t"])[2] for s, e in zip(find("forward_start"), find("forward_end"))]
+    out["forward_extra_trainer"] = max(forwards)
+    print(f"[world {world}] the probe's forward alone: trainer rank 0 "
+          + ", ".join(f"+{x:.2f}" for x in forwards) + " GB", flush=True)
+    updates = [e["t"] for e in find("engine_update_start")]
     for how in ("group", "file"):
         rows = []
         for s, e in zip(find("sync_start", how=how, label="timed"), find("sync_end", how=how, label="timed")):
             _, _, t_extra = peak_extra(trainer, s["t"], e["t"])
             _, _, e_extra = peak_extra(engine_series, s["t"], e["t"])
-            rows.append((e["seconds"], e["megabytes"], t_extra, e_extra, e["probe"], e["reloads"]))
+            # from the moment the engine's side starts (the trainer's probe forward done) to the end
+            stream_start = next(t for t in updates if s["t"] <= t <= e["t"])
+            _, _, stream_extra = peak_extra(trainer, stream_start, e["t"])
+            rows.append((e["seconds"], e["megabytes"], t_extra, e_extra, e["probe"], e["reloads"], stream_extra))
             print(f"[world {world}] sync {how}: {e['seconds']:.2f} s, {e['megabytes']:.0f} MB, trainer rank 0 "
-                  f"+{t_extra:.2f} GB, engine +{e_extra:.2f} GB, probe diff {e['probe']:.1e}, reloads "
-                  f"{e['reloads']}", flush=True)
+                  f"+{t_extra:.2f} GB (+{stream_extra:.2f} after its probe forward), engine +{e_extra:.2f} GB, "
+                  f"probe diff {e['probe']:.1e}, reloads {e['reloads']}", flush=True)
         seconds = [r[0] for r in rows]
         out[f"sync_{how}_s"] = sum(seconds) / len(seconds)
         out[f"sync_{how}_spread"] = (min(seconds), max(seconds))
         out[f"sync_{how}_mb"] = rows[0][1]
         out[f"sync_{how}_extra_trainer"] = max(r[2] for r in rows)
         out[f"sync_{how}_extra_engine"] = max(r[3] for r in rows)
+        out[f"sync_{how}_stream_extra_trainer"] = max(r[6] for r in rows)
     opened = find("sync_end", how="group", label="open")[0]
     out["group_open_s"] = opened["seconds"]
     copy = find("copy")[0]
@@ -394,7 +416,9 @@ def main():
         print(f"RESULT params={r['params']} world={world} {loads} full_fp32_gb={full_fp32_gb:.3f} "
               f"bucket_gb={bucket_gb:.3f} sync_group_s={r['sync_group_s']:.3f} sync_file_s={r['sync_file_s']:.3f} "
               f"copy_s={r['copy_s']:.3f} sync_peak_extra_gb_trainer={r['sync_group_extra_trainer']:.3f} "
-              f"sync_peak_extra_gb_engine={r['sync_group_extra_engine']:.3f}", flush=True)
+              f"sync_peak_extra_gb_engine={r['sync_group_extra_engine']:.3f} "
+              f"sync_stream_peak_extra_gb_trainer={r['sync_group_stream_extra_trainer']:.3f} "
+              f"forward_peak_extra_gb_trainer={r['forward_extra_trainer']:.3f}", flush=True)
     if 2 in results:
         r = results[2]
         checks = [
