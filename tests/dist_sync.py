@@ -9,6 +9,12 @@ float32 engine (its own process, chosen automatically under torchrun), every ran
 full state dict and computes the probe log-probs through the sharded model, rank 0 syncs.
 Then a collective checks that the trainers' process group still works with the engine alive.
 Each rank writes OUT_DIR/rank{N}.json; the test asserts on them.
+
+    ... tests/dist_sync.py OUT_DIR MODEL_DIR group_vs_file
+
+runs only the comparison of the two sync paths (two changes of every weight, each synced
+through the group and then the file, the second while the engine generates): for the tiny
+vision-language model, whose probe holds a picture (tests/test_vlm.py).
 """
 import json
 import os
@@ -84,29 +90,12 @@ def main(out_dir, model_dir, d):
     # through the file: the engine must score every sequence identically after either, and hold
     # the same parameters. In the second step the engine generates in the background meanwhile,
     # as with --train.off_policy_steps 1 (the sync waits for it).
-    import sync
-    cfg = run.Config()
-    cfg.rollout.sync_bucket_mb = 1  # several buckets, and tensors larger than one
-    sequences = [probe, probe[: len(probe) // 2], list(reversed(probe))]
-    result["group_vs_file"] = []
-    result["distinct_megabytes"] = sum(p.numel() * 4 for p in policy.parameters()) / 1e6  # a tied tensor once
-    for step in range(2):
+    def step(_):
         loss = policy(packed, lambda h, w: -losses.token_logprobs(h @ w.T, packed.targets).mean())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if rank == 0 and step == 1:
-            engine.in_background(lambda: engine.generate([probe], n=4, temperature=1.0, max_tokens=16, seed=step),
-                                 "generate ahead")
-        row = {}
-        for how in ("group", "file"):
-            cfg.rollout.sync = how
-            metrics = sync.sync_engine(cfg, engine, policy, tokenizer, d, version=2 + step)
-            row[how] = {"megabytes": metrics["sync/megabytes"], "probe_max_abs_diff": metrics["sync/probe_max_abs_diff"]}
-            if rank == 0:
-                row[how]["scores"] = engine.score(sequences)
-                row[how]["params"] = engine.llm.collective_rpc("parameter_digest")[0]
-        result["group_vs_file"].append(row)
+    result.update(group_vs_file(engine, policy, tokenizer, d, probe, step, first_version=2))
 
     # The trainers' process group still works with the engine (and its process) alive.
     total = torch.tensor([float(rank + 1)])
@@ -122,9 +111,67 @@ def main(out_dir, model_dir, d):
         json.dump(result, f)
 
 
+def group_vs_file(engine, policy, tokenizer, d, probe, change, first_version) -> dict:
+    """Two changes of the weights (`change(step)`), each synced through the weight group and
+    then through the file (the second while the engine generates in the background, as with
+    --train.off_policy_steps 1): per step and path, the bytes moved, the probe's proof and, on
+    rank 0, the engine's scores of three sequences and its parameters' digest."""
+    import run
+    import sync
+    cfg = run.Config()
+    cfg.rollout.sync_bucket_mb = 1  # several buckets, and tensors larger than one
+    sequences = [probe, probe[: len(probe) // 2], list(reversed(probe))]
+    rows = []
+    for step in range(2):
+        change(step)
+        if d.rank == 0 and step == 1:
+            engine.in_background(lambda: engine.generate([probe], n=4, temperature=1.0, max_tokens=16, seed=step),
+                                 "generate ahead")
+        row = {}
+        for how in ("group", "file"):
+            cfg.rollout.sync = how
+            metrics = sync.sync_engine(cfg, engine, policy, tokenizer, d, version=first_version + step)
+            row[how] = {"megabytes": metrics["sync/megabytes"], "probe_max_abs_diff": metrics["sync/probe_max_abs_diff"]}
+            if d.rank == 0:
+                row[how]["scores"] = engine.score(sequences)
+                row[how]["params"] = engine.llm.collective_rpc("parameter_digest")[0]
+        rows.append(row)
+    # a tied tensor counts once
+    return {"group_vs_file": rows, "distinct_megabytes": sum(p.numel() * 4 for p in policy.parameters()) / 1e6}
+
+
+def main_group_vs_file(out_dir, model_dir, d):
+    """Only the two paths compared, every weight (a vision tower's included) moved by noise."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import rollout
+    import run
+    from distributed import local_tensor
+    from policy import load_policy
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = run.rank0_call(d, lambda: rollout.Engine(model_dir, dtype="float32", kv_cache_tokens=16384),
+                            share=False)
+    policy = load_policy(model_dir, run.Config(), d.world, d.device)
+
+    def nudge(step):
+        g = torch.Generator().manual_seed(100 * step + d.rank)  # each rank its own shards
+        with torch.no_grad():
+            for p in policy.parameters():
+                local = local_tensor(p)
+                local.add_(torch.randn(local.shape, generator=g) * 0.01)
+    result = {"rank": d.rank, "world": d.world,
+              **group_vs_file(engine, policy, tokenizer, d, rollout.probe_ids(tokenizer), nudge, first_version=1)}
+    if d.rank == 0:
+        engine.close()
+    with open(os.path.join(out_dir, f"rank{d.rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 if __name__ == "__main__":  # vLLM starts its engine core with spawn: the entry point must be guarded
     import run
     d = run.setup_distributed()
-    main(sys.argv[1], sys.argv[2], d)
+    (main_group_vs_file if sys.argv[3:] == ["group_vs_file"] else main)(sys.argv[1], sys.argv[2], d)
     run.end_distributed(d)
     exit_now()

@@ -436,10 +436,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_two_rank_torchrun_sync(tiny_dir, tmp_path):
+def run_dist_sync(tmp_path, model_dir, *mode) -> tuple[dict, dict]:
+    """tests/dist_sync.py under two-rank torchrun: what each rank wrote."""
     env = {**CLEAN_ENV, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           os.path.join("tests", "dist_sync.py"), str(tmp_path), tiny_dir]
+           os.path.join("tests", "dist_sync.py"), str(tmp_path), model_dir, *mode]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired as e:
@@ -447,6 +448,29 @@ def test_two_rank_torchrun_sync(tiny_dir, tmp_path):
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["world"] == r1["world"] == 2
+    return r0, r1
+
+
+def check_group_vs_file(r0, r1):
+    """Two steps, each synced through the weight group and then through the file (the second
+    while the engine generates in the background): the engine scores every sequence and holds
+    every parameter identically after either, and the group moves no more bytes than the file."""
+    previous = None
+    for row in r0["group_vs_file"]:
+        group, file = row["group"], row["file"]
+        assert group["probe_max_abs_diff"] < TOL and file["probe_max_abs_diff"] < TOL
+        assert group["scores"] == file["scores"]
+        assert group["params"] == file["params"] and len(group["params"]) > 10
+        assert previous is None or group["scores"] != previous  # each step changed the weights
+        previous = group["scores"]
+        assert 0 < group["megabytes"] <= file["megabytes"]
+        assert group["megabytes"] == r0["distinct_megabytes"]  # a tied head travels once under FSDP2 too
+    assert [row["group"]["megabytes"] for row in r1["group_vs_file"]] == \
+        [row["group"]["megabytes"] for row in r0["group_vs_file"]]
+
+
+def test_two_rank_torchrun_sync(tiny_dir, tmp_path):
+    r0, r1 = run_dist_sync(tmp_path, tiny_dir)
     assert r0["own_process"] is True  # chosen automatically under torchrun
     assert r0["env_restored"]
     assert r0["sharded"] and r1["sharded"]
@@ -461,18 +485,4 @@ def test_two_rank_torchrun_sync(tiny_dir, tmp_path):
     assert max_diff(r0["engine_after"], r0["engine_before"]) > 0.05
     # the trainers' all-reduce still works after the engine started: 1 + 2
     assert r0["all_reduce"] == r1["all_reduce"] == 3.0
-    # two more steps, each synced through the weight group and then through the file (the second
-    # while the engine generates in the background): the engine scores every sequence and holds
-    # every parameter identically after either, and the group moves no more bytes than the file
-    previous = None
-    for row in r0["group_vs_file"]:
-        group, file = row["group"], row["file"]
-        assert group["probe_max_abs_diff"] < TOL and file["probe_max_abs_diff"] < TOL
-        assert group["scores"] == file["scores"]
-        assert group["params"] == file["params"] and len(group["params"]) > 10
-        assert previous is None or group["scores"] != previous  # each step changed the weights
-        previous = group["scores"]
-        assert 0 < group["megabytes"] <= file["megabytes"]
-        assert group["megabytes"] == r0["distinct_megabytes"]  # a tied head travels once under FSDP2 too
-    assert [row["group"]["megabytes"] for row in r1["group_vs_file"]] == \
-        [row["group"]["megabytes"] for row in r0["group_vs_file"]]
+    check_group_vs_file(r0, r1)  # two more steps, each synced both ways

@@ -519,42 +519,15 @@ def test_weight_sync_of_the_vision_tower_is_proven_by_the_image_probe(engine, hf
 
 
 @pytest.mark.slow
-def test_group_and_file_syncs_leave_the_engine_with_the_same_weights(engine, policy, vlm_tokenizer, image_batch):
-    """The loop's sync (sync.sync_engine) through the weight group and through the file, after
-    each of two changes of every weight (vision tower included), the second while the engine
-    generates in the background: the same engine parameters to the bit, each proven by the
-    image probe. (The two-rank FSDP2 gather is tests/dist_sync.py's, on the tiny model.)"""
-    import run
-    import sync
-    from distributed import Dist
-    cfg = run.parse_config([])
-    d = Dist(0, 1, torch.device("cpu"))
-    saved = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    prompts, images = image_batch
-    digests = []
-    try:
-        for step in range(2):
-            g = torch.Generator().manual_seed(step)
-            with torch.no_grad():
-                for p in policy.parameters():
-                    p.add_(torch.randn(p.shape, generator=g) * 0.01)
-            if step == 1:
-                engine.in_background(lambda: engine.generate(prompts[:1], n=2, temperature=1.0, max_tokens=8, seed=0,
-                                                             images=images[:1]), "generate ahead")
-            for how in ("group", "file"):
-                cfg.rollout.sync = how
-                metrics = sync.sync_engine(cfg, engine, policy, vlm_tokenizer, d, version=1 + step)
-                assert metrics["sync/probe_max_abs_diff"] < TOL, how
-                digests.append(engine.llm.collective_rpc("parameter_digest")[0])
-            assert digests[-2] == digests[-1]  # group == file, every parameter and packed weight
-            assert any(k.startswith("visual.") or ".visual." in k for k in digests[-1])
-        assert digests[0] != digests[2]  # the second step changed the engine's weights
-    finally:
-        with torch.no_grad():
-            for n, p in policy.named_parameters():
-                p.copy_(saved[n])
-        cfg.rollout.sync = "file"
-        sync.sync_engine(cfg, engine, policy, vlm_tokenizer, d, version=0)  # the checkpoint's weights again
+def test_two_rank_group_and_file_syncs_leave_the_engine_with_the_same_weights(vlm_dir, tmp_path):
+    """Two-rank torchrun (FSDP2 shards, tests/dist_sync.py): after each of two changes of every
+    weight (vision tower included), the second while the engine generates in the background,
+    the loop's sync (sync.sync_engine) through the weight group and through the file leave the
+    engine with the same parameters to the bit, each proven by the image probe."""
+    from test_rollout import check_group_vs_file, run_dist_sync
+    r0, r1 = run_dist_sync(tmp_path, vlm_dir, "group_vs_file")
+    check_group_vs_file(r0, r1)
+    assert any(k.startswith("visual.") or ".visual." in k for k in r0["group_vs_file"][0]["group"]["params"])
 
 
 # -----------------------------------------------------------------------------
