@@ -1,18 +1,15 @@
 """The inside of the code sandbox: the test runner and the program server. Standard library only.
 
-feedback/code/sandbox.py starts `python -I harness.py --job FD --out FD` (the *runner*: runs every
-test of the job in order, one JSON line per result), which starts `python -I harness.py --serve
-SOLUTION` (the *server*: runs the program as a module, answers calls on fds 3 and 4) for
-function-call and assert tests. The runner is trusted; values cross from the program only as
-JSON of built-in types (`encode_value`). CPU time of all the program's processes is the budget,
-idle time and a wall-clock backstop catch waiting, resident memory of all processes is bounded;
-the runner polls and kills all of the program when a limit fires. Who can touch what and how
-each limit is measured: docs/sandbox.md.
+`--job FD --out FD` is the trusted *runner* (every test in order, one JSON line per result);
+`--serve SOLUTION` the *server* it starts for call and assert tests (the program as a module,
+calls on fds 3 and 4). The two roles, who can touch what and how each limit is measured:
+docs/sandbox.md, How it is built.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import ctypes
 import fcntl
 import json
@@ -73,12 +70,9 @@ def encode_value(x, depth: int = 0):
         return str.__str__(x)
     if isinstance(x, list):
         return [encode_value(v, d) for v in x]
-    if isinstance(x, tuple):
-        return {"tuple": [encode_value(v, d) for v in x]}
-    if isinstance(x, frozenset):
-        return {"frozenset": [encode_value(v, d) for v in x]}
-    if isinstance(x, set):
-        return {"set": [encode_value(v, d) for v in x]}
+    for kind in (tuple, frozenset, set):
+        if isinstance(x, kind):
+            return {kind.__name__: [encode_value(v, d) for v in x]}
     if isinstance(x, dict):
         return {"dict": [[encode_value(k, d), encode_value(v, d)] for k, v in x.items()]}
     if isinstance(x, (bytes, bytearray)):
@@ -209,13 +203,10 @@ class _SockFprog(ctypes.Structure):
 
 
 def seccomp_filter():
-    """The filter (a sock_fprog, with its instructions kept alive on it), None on an unknown
-    architecture. CPU time stays countable because no process is ever reaped without its parent
-    collecting its time: no SIGCHLD disposition can be set (SIG_IGN and SA_NOCLDWAIT make the
-    kernel discard a child's time), and no pid namespace can be made (whose end discards it too:
-    the kernel reaps its processes as if SIGCHLD were ignored). Memory stays countable because
-    memfds, SysV IPC and io_uring rings, which no RSS shows, cannot be made. Other ABIs (i386's
-    int 0x80, x32) are refused: their numbers differ."""
+    """The filter (a sock_fprog, its instructions kept alive on it), None on an unknown architecture.
+    No SIGCHLD disposition and no pid namespace (either makes the kernel discard a reaped child's
+    CPU time), no memfd, SysV IPC or io_uring (memory no RSS shows), no other ABI (i386's int 0x80,
+    x32: other numbers). Why each: docs/sandbox.md, How the limits are measured."""
     arch = os.uname().machine
     if arch not in AUDIT_ARCH:
         return None
@@ -596,10 +587,8 @@ class Session:
         when that matters (it failed to load, died, or raised)."""
         self.watch.stop()
         for f in (self.requests, self.replies):
-            try:
+            with contextlib.suppress(OSError):
                 f.close()
-            except OSError:
-                pass
         code = self.runner.end_program(self.pid)
         outputs = self.runner._outputs(self.fds)
         if self.loaded is not None and "load_error" in self.loaded:
@@ -613,10 +602,8 @@ class Session:
 
 
 def _kill(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _reap(block: bool = False) -> None:
@@ -760,10 +747,8 @@ class Watch:
         me = str(os.getpid())
         for pid, st in self.runner.program_procs():
             if st[0] == "Z" and st[1] == me and pid != self.main_pid:
-                try:
+                with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
 
 
 def _thread_states(pid: int, st: list[str]) -> set[str]:
