@@ -10,6 +10,7 @@ not, the mounts and the uid pool: docs/sandbox.md.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import json
@@ -164,22 +165,16 @@ def _bwrap_version(bwrap: str) -> tuple[int, ...] | None:
         return None
 
 
-def _announce(iso: Isolation) -> None:
-    global _announced
-    if not _announced:
+def accept_weak_sandbox() -> None:
+    """Run programs even where the sandbox cannot isolate them (says so once, loudly)."""
+    global _weak_accepted, _announced
+    _weak_accepted = True
+    iso = isolation()
+    if not iso.isolated and not _announced:
         _announced = True
         text = "weak code sandbox, accepted by --data.allow_weak_sandbox:\n  - " + "\n  - ".join(iso.problems)
         print("\n" + "!" * 80 + "\nWARNING: " + text + "\n" + "!" * 80 + "\n", file=sys.stderr, flush=True)
-        warnings.warn(text, RuntimeWarning, stacklevel=3)
-
-
-def accept_weak_sandbox() -> None:
-    """Run programs even where the sandbox cannot isolate them (says so once, loudly)."""
-    global _weak_accepted
-    _weak_accepted = True
-    iso = isolation()
-    if not iso.isolated:
-        _announce(iso)
+        warnings.warn(text, RuntimeWarning, stacklevel=2)
 
 
 def require_isolation(allow_weak: bool) -> Isolation:
@@ -390,21 +385,17 @@ def _runtime_mounts() -> list[str]:
 
 
 def _killpg(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, 9)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _rmtree(path: str) -> None:
     """rmtree that also works when the program chmod-ed its own dirs to 000."""
     def fix(func, p, _exc):
-        try:
+        with contextlib.suppress(OSError):
             os.chmod(os.path.dirname(p), 0o700)
             os.chmod(p, 0o700)
             func(p)
-        except OSError:
-            pass
     shutil.rmtree(path, onerror=fix)
 
 
