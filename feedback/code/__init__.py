@@ -1,9 +1,7 @@
 """The code reward: run the model's Python program against a row's tests in the sandbox.
 
-This package is the code reward and all it needs: this file (extraction, verdicts, feedback
-texts), sandbox.py (the bubblewrap sandbox one rollout's tests run in) and harness.py (the
-standard-library-only runner mounted alone inside it). The other reward functions in
-feedback/ are small modules of their own.
+This file: extraction, verdicts, feedback texts; sandbox.py: the bubblewrap sandbox one
+rollout's tests run in; harness.py: the standard-library-only runner mounted alone inside it.
 
 A test is stdin -> stdout ({"input", "output"}), a function call ({"fn", "args", "kwargs",
 "expected", "tol"}; `fn` may be `Solution.method`) or test code calling `candidate` ({"fn",
