@@ -39,16 +39,10 @@ class Flags:
     shapes_image_size: int = 112  # pixels a side (112: 16 image tokens for Qwen2-VL's 28-pixel units)
 
 
-# The recipe (on top of tiny.py's): RL on picture quizzes. RL asks picture quizzes (the "quiz"
-# kind): up to three count and position questions about one picture, answered one per line, all of
-# which must be right, whose feedback marks each line right or wrong, information the prompt does
-# not hold. Colour questions are left out of the quizzes: shown the answer as a demonstration, the
-# tiny model's teacher cannot copy a colour word as it copies counts and places, so it could not
-# teach them. Warm start: all five kinds (scene questions, "name every shape in reading order", a
-# dense description of each picture: without them the tiny VLM stayed about blind), 2,000 steps
-# whose first 300 show every prompt as a teacher context so that copying forms before the answers
-# do, then 20% demonstrations and 30% feedback contexts. RL: one rate for SDPO and GRPO, JSD. The
-# measurements behind each value: docs/data.md ("The picture quiz", "Measured on the picture task").
+# The recipe (on top of tiny.py's): RL on picture quizzes of counts and places, whose feedback marks
+# each line (colours left out: the tiny teacher cannot copy a colour word); a warm start on all five
+# kinds (scene questions teach it to see), its first 300 steps all teacher contexts. Why each value:
+# docs/data.md ("The picture quiz", "Measured on the picture task").
 RECIPE = {
     "data.shapes_questions": "quiz",
     "data.shapes_quiz_kinds": "count,position",
