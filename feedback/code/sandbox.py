@@ -1,11 +1,9 @@
 """Run an untrusted Python program against tests, isolated from the machine that trains on it.
 
-One sandbox per `run_tests` call (one rollout's tests), built by bubblewrap: new mount, pid,
-network, ipc and uts namespaces; the program sees the runtime read-only, its own tmpfs
-directories, and nothing else. Inside, feedback/code/harness.py runs each test in fresh processes
-and enforces the limits. Without bubblewrap the sandbox is *weak*: `isolation()` says which,
-and `require_isolation` refuses to go on unless the user accepts it. What holds and what does
-not, the mounts and the uid pool: docs/sandbox.md.
+One bubblewrap sandbox per `run_tests` call (one rollout's tests), in which harness.py runs each
+test and enforces the limits; without bubblewrap it is *weak* (`isolation()`), which
+`require_isolation` refuses unless the user accepts it. The namespaces, the mounts, the uid pool
+and what holds and what does not: docs/sandbox.md.
 """
 
 from __future__ import annotations
@@ -13,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import glob
 import json
 import os
 import pwd
+import re
 import shutil
 import subprocess
 import sys
@@ -406,25 +406,14 @@ def _rmtree(path: str) -> None:
 def _scan_proc(tasks: bool = False) -> list[tuple[int, int]]:
     """(pid, real uid) of every process (or every thread, with tasks), zombies included."""
     rows = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        paths = [f"/proc/{name}/status"]
-        if tasks:
-            try:
-                paths = [f"/proc/{name}/task/{t}/status" for t in os.listdir(f"/proc/{name}/task")]
-            except OSError:
-                continue
-        for path in paths:
-            try:
-                with open(path, "rb") as f:
-                    text = f.read()
-            except OSError:
-                continue  # exited meanwhile
-            for line in text.split(b"\n"):
-                if line.startswith(b"Uid:"):
-                    rows.append((int(name), int(line.split()[1])))
-                    break
+    for path in glob.glob("/proc/[0-9]*/task/[0-9]*/status" if tasks else "/proc/[0-9]*/status"):
+        try:
+            with open(path, "rb") as f:
+                uid = re.search(rb"^Uid:\s+(\d+)", f.read(), re.MULTILINE)
+        except OSError:
+            continue  # exited meanwhile
+        if uid:
+            rows.append((int(path.split("/")[2]), int(uid.group(1))))
     return rows
 
 
