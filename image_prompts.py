@@ -29,9 +29,8 @@ class ImageInputs:
 
 
 class ImagePrompts:
-    """The model directory's image processor and image token, and what a prompt becomes: the
-    same pixels and ids the engine sees (vllm_plugins/no_torchvision.py), with the
-    mm_token_type_ids Qwen2.5-VL's 3-D rope positions need (docs/data.md, Images)."""
+    """The model directory's image processor and image token; a prompt becomes the same pixels and
+    ids the engine sees (vllm_plugins/no_torchvision.py)."""
 
     def __init__(self, model_dir: str):
         from transformers import AutoImageProcessor

@@ -3,11 +3,7 @@
 The generator draws one to `--data.shapes_max` shapes in the cells of a grid and asks about
 them (SHAPES_QUESTION_KINDS): a count, a colour, a position, the whole scene in reading order,
 or a picture quiz of several such questions answered one per line. The checker's feedback says
-what was wrong without giving the answer: a wrong count is "not the number of shapes in the
-picture", a wrong colour "not the colour of the circle", a wrong position "not where the red
-square is"; a wrong scene answer is told how many shapes there are, or which of those it named
-are wrong; a picture quiz's lines are each marked right or wrong, as the text quiz's are. A
-response without "Answer: ..." is told the format.
+what was wrong ("not the colour of the circle"; a quiz's lines marked right or wrong), never the answer.
 """
 import random
 import re
