@@ -139,9 +139,7 @@ def make_row(rng: random.Random, cfg: Flags) -> dict:
         if not 1 <= cfg.shapes_quiz_questions <= 26:
             raise FlagError(f"--data.shapes_quiz_questions={cfg.shapes_quiz_questions}: questions are labelled "
                              f"a-z, so 1 to 26")
-        quiz_kinds = cfg.shapes_quiz_kinds.split(",")
-        if unknown := set(quiz_kinds) - {"count", "colour", "position"}:
-            raise FlagError(f"--data.shapes_quiz_kinds: unknown kinds {sorted(unknown)}; use count, colour, position")
+        quiz_kinds = check_kinds(cfg.shapes_quiz_kinds, "shapes_quiz_kinds", ("count", "colour", "position"))
         # every question the picture answers unambiguously, in a fixed order (count, colours, positions)
         pool = [count] * ("count" in quiz_kinds) + \
             [colour(s) for s in once(lambda s: s["kind"]) if "colour" in quiz_kinds] + \
