@@ -155,19 +155,15 @@ class Progress:
              "gad/d_acc": "d_acc", "time/step_s": "s/step"}
 
     def __init__(self, start, total, enabled, desc):
-        self.bar = None
-        if enabled:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True)
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=not enabled)
 
     def update(self, metrics):
-        if self.bar is not None:
-            self.bar.set_postfix({short: f"{metrics[k]:.3g}" for k, short in self.SHOWN.items() if k in metrics})
-            self.bar.update(1)
+        self.bar.set_postfix({short: f"{metrics[k]:.3g}" for k, short in self.SHOWN.items() if k in metrics})
+        self.bar.update(1)
 
     def close(self):
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
 
 
 def step_time(rollouts: list, started: float) -> dict:
