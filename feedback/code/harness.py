@@ -96,18 +96,15 @@ def decode_value(j, depth: int = 0):
         return [decode_value(v, d) for v in j]
     if t is dict and len(j) == 1:
         (tag, v), = j.items()
-        if tag == "tuple" and type(v) is list:
-            return tuple(decode_value(e, d) for e in v)
-        if tag in ("set", "frozenset") and type(v) is list:
-            try:
+        try:
+            if tag == "tuple" and type(v) is list:
+                return tuple(decode_value(e, d) for e in v)
+            if tag in ("set", "frozenset") and type(v) is list:
                 return (set if tag == "set" else frozenset)(decode_value(e, d) for e in v)
-            except TypeError as e:
-                raise ValueError(f"malformed {tag}: {e}") from None
-        if tag == "dict" and type(v) is list and all(type(p) is list and len(p) == 2 for p in v):
-            try:
+            if tag == "dict" and type(v) is list and all(type(p) is list and len(p) == 2 for p in v):
                 return {decode_value(k, d): decode_value(e, d) for k, e in v}
-            except TypeError as e:
-                raise ValueError(f"malformed dict: {e}") from None
+        except TypeError as e:  # an unhashable set member or dict key
+            raise ValueError(f"malformed {tag}: {e}") from None
         if tag == "bytes" and type(v) is str:
             return bytes.fromhex(v)
         if tag == "complex" and type(v) is list and len(v) == 2 and all(type(e) in (int, float) for e in v):
