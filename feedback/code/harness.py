@@ -666,8 +666,7 @@ class Watch:
     def __init__(self, runner: Runner, main_pid: int):
         self.runner, self.limits, self.main_pid = runner, runner.limits, main_pid
         self.fired = ""
-        self.budget_cpu0 = 0.0
-        self._cpu = 0.0
+        self.budget_cpu0 = self._cpu = 0.0
         self._rss = self._files = 0
         self._idle = self._disk = 0.0  # time idle; time only waiting for the disk (idle beyond a grace)
         self._t_budget = time.monotonic()
