@@ -427,8 +427,8 @@ class Runner:
         status = os.wait4(pid, 0)[1]
         watch.stop()
         self.end_program()
-        return [{"returncode": os.waitstatus_to_exitcode(status), "limit": watch.fired, "cpu": watch.cpu(),
-                 "wall": time.monotonic() - t0, **self._outputs(fds, test["stdout_cap"])}]
+        return [{"returncode": os.waitstatus_to_exitcode(status), "limit": watch.fired, "cpu_seconds": watch.cpu(),
+                 "wall_seconds": time.monotonic() - t0, **self._outputs(fds, test["stdout_cap"])}]
 
     def run_calls(self, test: dict) -> list[dict]:
         """All function-call tests of a group in one program process, in order, each with the
@@ -443,7 +443,7 @@ class Runner:
                     break
                 results.append({"exception": reply["exception"]} if "exception" in reply else
                                {"value": encode_value(reply["value"])})  # plain data again, for the trainer
-                results[-1]["cpu"] = session.watch.cpu() - session.watch.budget_cpu0
+                results[-1]["cpu_seconds"] = session.watch.cpu() - session.watch.budget_cpu0
                 if "exception" in reply:
                     break
         # the call that raised or died gets how the program ended; a clean session adds nothing
@@ -594,7 +594,7 @@ class Session:
             result["died"] = True
         if "died" in result or "load_error" in result:
             result.update(returncode=code, limit=self.watch.fired or ("output" if self.oversize else ""))
-        result.update(cpu=self.watch.cpu(), wall=time.monotonic() - self.t0, **outputs)
+        result.update(cpu_seconds=self.watch.cpu(), wall_seconds=time.monotonic() - self.t0, **outputs)
         return result
 
 

@@ -269,11 +269,8 @@ def _job(code: str, tests: list[dict], uid: int | None, root_dir: str, nproc_bas
 
 
 def _result(r: dict) -> RunResult:
-    res = RunResult(r["index"], r.get("stdout", ""), r.get("stderr", ""), bool(r.get("stdout_cut")),
-                    r.get("returncode"), r.get("limit") or "", r.get("cpu", 0.0), r.get("wall", 0.0),
-                    exception=r.get("exception"),
-                    load_error=r.get("load_error"), died=bool(r.get("died")), passed=bool(r.get("passed")),
-                    failure=r.get("failure"), last_call=r.get("last_call") or {}, error=r.get("error", ""))
+    """A line of the runner's results (RunResult's fields: the runner writes them) with its value decoded."""
+    res = RunResult(**{k: v for k, v in r.items() if k != "value"})
     if "value" in r:
         try:
             res.value, res.has_value = decode_value(r["value"]), True
