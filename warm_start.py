@@ -89,8 +89,9 @@ def warm_start_key(cfg: Config, warm: Config, warm_train: dict) -> list:
 
 def warm_start_checks(cfg: Config, objective, tokenizer) -> tuple[list, list] | None:
     """For an SFT run with --train.warm_start_target on a synthetic task: the held-out rows its
-    target is checked on, 256 after the first 2,048 (which measure the RL run), and the same rows
-    shown their reference (whether copying a demonstration has formed). None otherwise."""
+    target is checked on, 256 after the first 2,048 that measure the RL run (they overlap only where
+    the split has fewer rows), and the same rows shown their reference (whether copying a
+    demonstration has formed). None otherwise."""
     if not (objective.references and cfg.train.warm_start_target and cfg.data.task in tasks.TASKS):
         return None
     rows = tasks.task_rows(cfg.data.task, "test", 2048 + 256, cfg=cfg.data, at_most=True)[-256:]
