@@ -200,11 +200,9 @@ def write_teacher_data(engine, tokenizer, train_rows: list, eval_rows: list, cfg
                                               "tests": row["tests"], **extra})
     finished = [r for r in rollouts if not r.truncated and r.text.strip()]
     with open(os.path.join(tmp, "train.jsonl"), "w") as f:
-        for r in finished:
-            f.write(record(r.row, teacher_response=r.text) + "\n")
+        f.writelines(record(r.row, teacher_response=r.text) + "\n" for r in finished)
     with open(os.path.join(tmp, "heldout.jsonl"), "w") as f:
-        for row in eval_rows:
-            f.write(record(row) + "\n")
+        f.writelines(record(row) + "\n" for row in eval_rows)
     print(f"teacher data: {len(finished)} of {len(rollouts)} answers finished and not empty, success "
           f"{success_rate(finished, cfg):.3f} on the training prompts -> {out}")
     if os.path.exists(out):  # another process won the race
