@@ -129,12 +129,10 @@ def parameter_count(model_dir: str) -> int:
 
 
 def save_checkpoint(path: str, trainer: Trainer, step: int, next_batch, d: Dist, first_eval: list | None = None):
-    """Policy, optimizer, the optional models and the RNG state (torch.distributed.checkpoint:
-    every rank writes its shards) and, generating ahead, the next step's batch (rank 0's
-    next_batch: its rollouts were generated with the weights before this step's update, which
-    a resumed run no longer has), and the held-out rows' success at step 0 (first_eval: later
-    evaluations pair their gain with it). Written as path.partial and renamed when complete, so that
-    a run killed during a save leaves no checkpoint under a name that `--train.resume` takes."""
+    """Policy, optimizer, the optional models and the RNG state (every rank its shards) and, generating
+    ahead, rank 0's next_batch (generated with the weights before this update, which a resumed run no
+    longer has), and first_eval (the held-out rows' success at step 0, which later gains pair with);
+    written as path.partial and renamed when complete (the module's docstring)."""
     import torch.distributed.checkpoint as dcp
     partial = path + ".partial"
     if d.rank == 0:
@@ -177,9 +175,8 @@ def load_checkpoint(path: str, trainer: Trainer, cfg: Config, d: Dist):
     torch.set_rng_state(state["meta"]["torch_rng"])
     random.setstate(state["meta"]["python_rng"])
     first_eval = None
-    if os.path.exists(os.path.join(path, FIRST_EVAL)):
-        with open(os.path.join(path, FIRST_EVAL)) as f:
-            first_eval = json.load(f)
+    with contextlib.suppress(FileNotFoundError), open(os.path.join(path, FIRST_EVAL)) as f:
+        first_eval = json.load(f)
     file = os.path.join(path, NEXT_BATCH)
     if not (cfg.train.off_policy_steps and rank0_call(d, lambda: os.path.exists(file))):
         return int(state["meta"]["step"]), None, first_eval
@@ -189,7 +186,6 @@ def load_checkpoint(path: str, trainer: Trainer, cfg: Config, d: Dist):
 
 def checkpoint_path(resume: str) -> str:
     """--train.resume: a checkpoint directory, or a run's out_dir (its latest complete checkpoint)."""
-    import re
     if os.path.exists(os.path.join(resume, ".metadata")):  # torch.distributed.checkpoint's index
         return resume
     steps = [int(m.group(1)) for m in map(re.compile(r"checkpoint-(\d+)").fullmatch,

@@ -141,9 +141,6 @@ class DpoConfig:
     reference_free: bool = False  # no reference model: the log-ratios are the policy's log-probs alone
 
     def __post_init__(self):
-        if self.beta <= 0 or not 0 <= self.label_smoothing < 0.5 or self.ref_update_every < 0:
-            raise ValueError(f"--dpo: need beta > 0 (got {self.beta}), 0 <= label_smoothing < 0.5 "
-                             f"(got {self.label_smoothing}), ref_update_every >= 0 (got {self.ref_update_every})")
         if self.reference_free and self.ref_update_every:
             raise ValueError("--dpo.reference_free has no reference to refresh: drop --dpo.ref_update_every")
 
@@ -173,13 +170,6 @@ class GadConfig:
     # "constant": every sample's reward is 0 (the control: the same stages, SFT warmup and KL to the start,
     # with no signal from the discriminator, which still trains and logs d_acc; docs/gad.md)
     reward: Literal["discriminator", "constant"] = "discriminator"
-
-    def __post_init__(self):
-        if self.lr <= 0 or self.grad_clip <= 0 or self.warmup_steps < 0 or self.critic_warmup < 0 \
-                or self.disc_steps < 1:
-            raise ValueError(f"--gad: need lr > 0 (got {self.lr}), grad_clip > 0 (got {self.grad_clip}), "
-                             f"disc_steps >= 1 (got {self.disc_steps}), "
-                             f"warmup_steps, critic_warmup >= 0 (got {self.warmup_steps}, {self.critic_warmup})")
 
 
 @dataclass
@@ -253,14 +243,6 @@ class TrainConfig:
     save_every: int = 0  # torch.distributed.checkpoint every N steps; 0: only the final HF model
     resume: str = ""  # a checkpoint directory written by save_every, or a run's out_dir (its latest one)
     max_nonfinite_steps: int = 3  # consecutive optimizer steps with a NaN/inf loss before stopping
-
-    def __post_init__(self):
-        if not 0 <= self.warm_start_target <= 1:
-            raise ValueError(f"--train.warm_start_target={self.warm_start_target}: a success rate, 0 to 1 (0: off)")
-        if self.warm_start_context_steps < 0:
-            raise ValueError(f"--train.warm_start_context_steps={self.warm_start_context_steps}: must be >= 0")
-        if self.warm_start_check_every < 1:
-            raise ValueError(f"--train.warm_start_check_every={self.warm_start_check_every}: must be at least 1")
 
 
 @dataclass
@@ -389,27 +371,33 @@ def recipe_source(name: str) -> str:
     return "tiny_models.py" if name == "tiny" else f"tasks/{name}.py"
 
 
+# Checked by check_config: each whole-number flag's least value; the flags that must be > 0; rates, 0 to 1
+AT_LEAST = {"train.steps": 0, "train.prompts_per_step": 1, "train.mini_batches": 1, "train.micro_batch": 1,
+            "rollout.n": 1, "rollout.max_tokens": 1, "rollout.eval_k": 1, "rollout.cpu_threads": 0,
+            "train.cpu_threads": 0, "data.train_rows": 1, "data.eval_rows": 1, "sdpo.topk": 1,
+            "dpo.ref_update_every": 0, "gad.disc_steps": 1, "gad.warmup_steps": 0, "gad.critic_warmup": 0,
+            "train.warm_start_context_steps": 0, "train.warm_start_check_every": 1}
+POSITIVE = ("optim.lr", "rollout.temperature", "rollout.eval_temperature", "dpo.beta", "gad.lr", "gad.grad_clip")
+RATES = ("sdpo.teacher_rate", "train.warm_start_target")
+
+
 def check_config(cfg: Config):
     """Values that would fail minutes later, after the engine's start, fail here, naming the flag."""
     c = cfg
-    bounds = [("train.steps", c.train.steps, 0), ("train.prompts_per_step", c.train.prompts_per_step, 1),
-              ("train.mini_batches", c.train.mini_batches, 1), ("train.micro_batch", c.train.micro_batch, 1),
-              ("rollout.n", c.rollout.n, 1), ("rollout.max_tokens", c.rollout.max_tokens, 1),
-              ("rollout.eval_k", c.rollout.eval_k, 1), ("rollout.cpu_threads", c.rollout.cpu_threads, 0),
-              ("train.cpu_threads", c.train.cpu_threads, 0), ("data.train_rows", c.data.train_rows, 1),
-              ("data.eval_rows", c.data.eval_rows, 1), ("sdpo.topk", c.sdpo.topk, 1)]
-    for name, value, least in bounds:
-        if value < least:
-            raise FlagError(f"--{name}={value}: must be at least {least}")
+    for name, least in AT_LEAST.items():
+        if flag_value(c, name) < least:
+            raise FlagError(f"--{name}={flag_value(c, name)}: must be at least {least}")
     for name in ("teacher_gap", "blind"):
         if getattr(c, name) and not c.eval_only:
             raise FlagError(f"--{name} is a measurement of --eval_only; add --eval_only")
-    for name, value in (("optim.lr", c.optim.lr), ("rollout.temperature", c.rollout.temperature),
-                        ("rollout.eval_temperature", c.rollout.eval_temperature)):
-        if not value > 0:
-            raise FlagError(f"--{name}={value}: must be > 0")
-    if not 0 <= c.sdpo.teacher_rate <= 1:
-        raise FlagError(f"--sdpo.teacher_rate={c.sdpo.teacher_rate}: a rate, 0 to 1")
+    for name in POSITIVE:
+        if not flag_value(c, name) > 0:
+            raise FlagError(f"--{name}={flag_value(c, name)}: must be > 0")
+    for name in RATES:
+        if not 0 <= flag_value(c, name) <= 1:
+            raise FlagError(f"--{name}={flag_value(c, name)}: a rate, 0 to 1")
+    if not 0 <= c.dpo.label_smoothing < 0.5:
+        raise FlagError(f"--dpo.label_smoothing={c.dpo.label_smoothing}: must be at least 0 and below 0.5")
     objective = objectives.OBJECTIVES[c.algo.name]  # a unit of the split: a prompt's samples, or a sample
     single = c.train.shuffle_samples and not (objective.keep_prompts_together or objective.references)
     units = c.train.prompts_per_step * (c.rollout.n if single else 1)

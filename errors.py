@@ -7,9 +7,7 @@ type and keeps its traceback. Every module may raise these: this file imports no
 
 class UserError(Exception):
     """A mistake in what the user gave (a flag, a data file, a model path, the out_dir, a
-    checkpoint, a reward's setup), with a message that names it and says what to do: the
-    command line prints the message alone and exits with exit_code (run.py, `--debug` shows the
-    traceback). A bug raises any other type and keeps its traceback."""
+    checkpoint, a reward's setup); the command line exits with exit_code."""
     exit_code = 1
     kept_across_ranks = True  # distributed.rank0_call raises it on every rank as a UserError
 

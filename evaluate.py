@@ -26,7 +26,6 @@ from policy import load_policy, pad_token_id
 from rollout import generate_and_score
 
 
-
 def evaluate(engine, tokenizer, rows, cfg: Config, before: list | None = None,
              step: int | None = None) -> tuple[dict, list]:
     """avg@k success and its standard error, mean response length and truncation rate on
@@ -152,15 +151,11 @@ def teacher_gap(engine, tokenizer, rows, cfg: Config) -> dict:
 
 @torch.no_grad()
 def context_entropies(engine, tokenizer, rows, cfg: Config, model_dir: str, device) -> dict:
-    """SDPO's teacher on the model's own samples (the paper: SDPO needs in-context ability).
-
-    Samples --rollout.n responses per row at the training temperature, builds their teacher
-    contexts as a training step would (objectives.prepare_teacher_contexts), and scores the
-    same response tokens under the bare prompt (the student) and under each teacher context,
-    with the model in model_dir as both. Per kind of context: the mean token entropy of
-    student and teacher on those tokens, and the mean teacher-minus-student log-prob of the
-    sampled tokens (docs/loop.md, Evaluation only).
-    """
+    """SDPO's teacher on the model's own samples: --rollout.n responses per row at the training
+    temperature, their teacher contexts built as a training step would, the same response tokens
+    scored under the bare prompt (the student) and each context by the model in model_dir. Per
+    kind of context: mean token entropies and teacher-minus-student log-prob (docs/loop.md,
+    Evaluation only)."""
     rollouts = generate_and_score(engine, tokenizer, rows, cfg, cfg.rollout.eval_seed, cfg.rollout.n,
                                   cfg.rollout.temperature)
     coverage = objectives.prepare_teacher_contexts(rollouts, tokenizer, cfg)["sdpo/teacher_coverage"]
@@ -219,7 +214,7 @@ def blind_check(engine, tokenizer, rows: list, cfg: Config, seeing: list) -> dic
     (same prompts, same sampling seed), and the seeing-minus-blind gap paired row by row with
     `seeing`, each row's success with the pictures: a model that ignores its pictures scores
     the same blind. White, the picture task's empty canvas: a black square is a picture the
-    model never saw, and its answers to one fall below a guess's (the tiny VLM: 8.8%)."""
+    model never saw, and its answers to one fall below a guess's (docs/data.md, The blind check)."""
     from PIL import Image
     if not any(r.get("images") for r in rows):
         raise ValueError("--blind: the held-out rows have no pictures")

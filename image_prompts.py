@@ -4,6 +4,7 @@ A chat prompt holds one <|image_pad|> per image; the engine (vLLM) and the train
 by one token per merged 2x2 patch of the resized image, and the model puts the vision tower's
 outputs there (docs/data.md, Images).
 """
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -28,9 +29,8 @@ class ImageInputs:
 
 
 class ImagePrompts:
-    """The model directory's image processor and image token, and what a prompt becomes: the
-    same pixels and ids the engine sees (vllm_plugins/no_torchvision.py), with the
-    mm_token_type_ids Qwen2.5-VL's 3-D rope positions need (docs/data.md, Images)."""
+    """The model directory's image processor and image token; a prompt becomes the same pixels and
+    ids the engine sees (vllm_plugins/no_torchvision.py)."""
 
     def __init__(self, model_dir: str):
         from transformers import AutoImageProcessor
@@ -52,15 +52,12 @@ class ImagePrompts:
         after them are text the model generated (vLLM embeds them as text, and so does
         the trainer: run.CausalLM). A run of another length is an error."""
         sizes, runs, i = [self.tokens_per_image(im) for im in images], [], 0
-        while i < len(ids) and len(runs) < len(images):
-            if ids[i] == self.image_token_id:
-                j = i
-                while j < len(ids) and ids[j] == self.image_token_id:
-                    j += 1
-                runs.append((i, j))
-                i = j
-            else:
-                i += 1
+        for token, group in itertools.groupby(ids):
+            n = len(list(group))
+            if token == self.image_token_id:
+                runs.append((i, i + n))
+            i += n
+        runs = runs[:len(images)]
         lengths = [j - i for i, j in runs]
         if lengths == sizes or lengths == [1] * len(images):
             out, mask, start = [], [], 0

@@ -8,15 +8,10 @@ import time
 
 from config import Config, save_config
 
-
-
 # A teacher flatter than its student pulls the student towards a flatter distribution: one step
 # above 0.1 nats, or a mean above 0 over 5 steps, warns (the thresholds' measurements: docs/loop.md)
 FLAT_TEACHER_METRIC, FLAT_TEACHER_NATS = "sdpo/teacher_minus_student_entropy", 0.1
-
-
 FLAT_TEACHER_WINDOW = 5
-
 
 # A demonstration teacher that lowers the student's right answers, and by about as much as its
 # wrong ones, cannot tell them apart: distilling it pulls the policy off what it gets right.
@@ -66,17 +61,13 @@ class Logger:
         self.file.flush()
         if self.run is not None:
             self.run.log(record, step=step)
-        self.warn_once(step, record)
-
-    def warn_once(self, step: int, record: dict):
-        """Early warnings on stderr, each the first time its metric crosses its threshold: a
-        teacher flatter than the student by more than FLAT_TEACHER_NATS in one step, or by
-        any margin on average over FLAT_TEACHER_WINDOW steps; a demonstration teacher that
-        does not tell the student's right answers from its wrong ones."""
+        # early warnings on stderr, each once, the first time its metric crosses its threshold
         self.warn_flat_teacher(step, record)
         self.warn_undiscerning_teacher(step, record)
 
     def warn_flat_teacher(self, step: int, record: dict):
+        """A teacher flatter than the student by more than FLAT_TEACHER_NATS in one step, or by any
+        margin on average over FLAT_TEACHER_WINDOW steps."""
         gap = record.get(FLAT_TEACHER_METRIC)
         if gap is None or FLAT_TEACHER_METRIC in self.warned:
             return
@@ -96,6 +87,7 @@ class Logger:
                   f"--eval_only --teacher_gap, and compare with --algo grpo.")
 
     def warn_undiscerning_teacher(self, step: int, record: dict):
+        """A demonstration teacher that does not tell the student's right answers from its wrong ones."""
         right, wrong = record.get(DEMO_RIGHT), record.get(DEMO_WRONG)
         # logged only in steps that had a right (and a wrong) sample shown a demonstration
         if right is None or wrong is None or DEMO_RIGHT in self.warned:
@@ -160,23 +152,18 @@ class Logger:
 class Progress:
     SHOWN = {"reward/mean": "reward", "reward/success_rate": "success", "eval/success_rate": "eval",
              "sdpo/teacher_coverage": "coverage", "sdpo/divergence": "div", "dpo/accuracy": "pref_acc",
-             "gad/d_acc": "d_acc",
-             "time/step_s": "s/step"}
+             "gad/d_acc": "d_acc", "time/step_s": "s/step"}
 
     def __init__(self, start, total, enabled, desc):
-        self.bar = None
-        if enabled:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True)
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=not enabled)
 
     def update(self, metrics):
-        if self.bar is not None:
-            self.bar.set_postfix({short: f"{metrics[k]:.3g}" for k, short in self.SHOWN.items() if k in metrics})
-            self.bar.update(1)
+        self.bar.set_postfix({short: f"{metrics[k]:.3g}" for k, short in self.SHOWN.items() if k in metrics})
+        self.bar.update(1)
 
     def close(self):
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
 
 
 def step_time(rollouts: list, started: float) -> dict:

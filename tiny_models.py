@@ -30,8 +30,7 @@ RECIPE = {
 }
 
 # ----------------------------------------------------------------------------------------
-# The tiny default model: a byte-level BPE trained on the tasks' text and a small Qwen2
-# with random weights.
+# The tiny default model
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -194,9 +193,7 @@ def tiny_model_dir(cfg: TinyModelConfig | None = None, cache_dir: str | None = N
 
 
 # ----------------------------------------------------------------------------------------
-# The tiny vision-language model: a Qwen2.5-VL with the tiny text model's dimensions, a
-# two-block vision tower, the BPE also trained on the picture task's text, and Qwen's image
-# tokens. Transformers and vLLM load it like a real Qwen2.5-VL checkpoint.
+# The tiny vision-language model (its BPE also trained on the picture task's text)
 
 # Qwen2.5-VL's template, less tools and video: an image part is <|vision_start|><|image_pad|><|vision_end|>.
 VLM_CHAT_TEMPLATE = (

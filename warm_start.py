@@ -1,12 +1,9 @@
 """The model a run trains: --model.path, or the tiny model after its cached SFT warm start.
 
-The warm start is `--algo sft` on the task's reference answers with the
---train.warm_start_* values (its recipe: tiny_models.py, tasks/), a share of the prompts shown as SDPO
-teacher contexts so that the tiny model learns to use what the teacher is shown. It is cached
-under a hash of the values it reads and the code it runs (WARM_START_SOURCES), and may stop
-early at --train.warm_start_target, estimated without sampling (reference_success). GAD's
-self-made black-box teacher is a warm start of its own, whose sampled answers become a data
-file (with_teacher_data).
+The warm start is `--algo sft` on the task's references (--train.warm_start_*), a share of its
+prompts SDPO teacher contexts, cached under a hash of what it reads and runs; it may stop at
+--train.warm_start_target (reference_success). GAD's self-made teacher is a warm start too,
+whose sampled answers become a data file (teacher_data).
 """
 import dataclasses
 import hashlib
@@ -29,10 +26,8 @@ from microbatch import Rollout
 from policy import load_tokenizer, pad_token_id
 from rollout import generate_and_score, start_engine
 
-# The code a warm start runs (an SFT run of the loop on the task's references, its prompts partly
-# SDPO teacher contexts with the checkers' feedback), beyond the tiny model's tiny_models.TINY_SOURCES:
-# part of its cache key, so that an edit to a generator, a checker, a template, the SFT loss or
-# the loop builds it anew (tiny_models.source_hash; comments and docstrings aside).
+# The code a warm start runs beyond tiny_models.TINY_SOURCES: part of its cache key, so that an edit
+# to a checker, a template, the SFT loss or the loop builds it anew (tiny_models.source_hash).
 WARM_START_SOURCES = ("run.py", "warm_start.py", "config.py", "policy.py", "update.py", "objectives.py", "losses.py",
                       "chunked_head.py", "sdpo.py", "evaluate.py", *tiny_models.TINY_SOURCES, "feedback/math.py")  # the tasks' checkers
 
@@ -94,10 +89,9 @@ def warm_start_key(cfg: Config, warm: Config, warm_train: dict) -> list:
 
 def warm_start_checks(cfg: Config, objective, tokenizer) -> tuple[list, list] | None:
     """For an SFT run with --train.warm_start_target on a synthetic task: the held-out rows its
-    target is checked on, 256 after the first 2,048 (the most any evaluation here reads, so that
-    the stopping point is not chosen on the rows that then measure the RL run; they overlap
-    only at a difficulty with fewer distinct rows), and the same rows shown their reference
-    (whether copying a demonstration has formed). None otherwise."""
+    target is checked on, 256 after the first 2,048 that measure the RL run (they overlap only where
+    the split has fewer rows), and the same rows shown their reference (whether copying a
+    demonstration has formed). None otherwise."""
     if not (objective.references and cfg.train.warm_start_target and cfg.data.task in tasks.TASKS):
         return None
     rows = tasks.task_rows(cfg.data.task, "test", 2048 + 256, cfg=cfg.data, at_most=True)[-256:]
@@ -129,10 +123,9 @@ def target_reached(cfg: Config, metrics: dict, step: int, d: Dist) -> bool:
 def reference_success(cfg: Config, policy, tokenizer, rows: list[dict], d: Dist, prompts: list | None = None) -> float:
     """The bare student's expected success on rows, without sampling: the mean over rows of the
     probability that sampling at --rollout.eval_temperature writes the reference exactly,
-    exp(sum_t log softmax(z_t / T)[reference_t]), EOS included. A lower bound where other
-    texts also pass (a result written with other whitespace); on the quiz it tracks the
-    sampled success (docs/LOG.md). prompts: each row's prompt ids (a teacher
-    context), else its bare prompt. Every rank runs it (FSDP2's collectives)."""
+    exp(sum_t log softmax(z_t / T)[reference_t]), EOS included (a lower bound where other texts
+    also pass). prompts: each row's prompt ids (a teacher context), else its bare prompt. Every
+    rank runs it (FSDP2's collectives)."""
     prompts = prompts or [data.chat_prompt_ids(tokenizer, row["messages"], cfg.data.max_prompt_len) for row in rows]
     rollouts = [Rollout(row=row, prompt_ids=prompt,
                         response_ids=data.reference_response_ids(tokenizer, row, tokenizer.eos_token_id,
@@ -170,24 +163,17 @@ def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
 
 
 def gad_teacher_config(cfg: Config) -> Config:
-    """The self-made black-box teacher's run: the tiny model after --gad.teacher_steps SFT steps
-    on the task's references, plain prompts only, no early stop (a task recipe's
-    warm_start_target is the student's: the teacher must end well above it); cached like the
-    student's warm start."""
+    """The self-made black-box teacher's run: the tiny model after --gad.teacher_steps SFT steps on
+    the task's references, plain prompts only, no early stop (the target is the student's)."""
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=""), train=dataclasses.replace(
         cfg.train, warm_start_steps=cfg.gad.teacher_steps, warm_start_demo_frac=0.0, warm_start_feedback_frac=0.0,
         warm_start_target=0.0, warm_start_context_steps=0))
 
 
 def teacher_data(cfg: Config, teacher_cfg: Config, teacher_dir: str, d: Dist) -> Config:
-    """cfg reading the black-box teacher's responses (the teacher in teacher_dir).
-
-    The teacher answers each training prompt once at --gad.teacher_temperature; rows whose answer
-    ran out of tokens or is empty are dropped (an API teacher's answers are finished). Its text goes
-    to <teacher>-data-<hash>/train.jsonl (uid, prompt, answer, tests, teacher_response: the file a
-    user brings), next to heldout.jsonl (the task's held-out rows). Training reads only that text;
-    the teacher's weights serve evaluation alone.
-    """
+    """cfg reading the black-box teacher's responses (the teacher in teacher_dir): each training
+    prompt answered once at --gad.teacher_temperature, unfinished or empty answers dropped, in
+    <teacher>-data-<hash>/train.jsonl (the file a user brings) beside heldout.jsonl (docs/gad.md)."""
     recipe = json.dumps([teacher_dir, dataclasses.asdict(cfg.data), cfg.train.seed, cfg.gad.teacher_temperature,
                          cfg.rollout.max_tokens], sort_keys=True)
     out = os.path.dirname(teacher_dir) + "-data-" + hashlib.sha1(recipe.encode()).hexdigest()[:10]
@@ -214,11 +200,9 @@ def write_teacher_data(engine, tokenizer, train_rows: list, eval_rows: list, cfg
                                               "tests": row["tests"], **extra})
     finished = [r for r in rollouts if not r.truncated and r.text.strip()]
     with open(os.path.join(tmp, "train.jsonl"), "w") as f:
-        for r in finished:
-            f.write(record(r.row, teacher_response=r.text) + "\n")
+        f.writelines(record(r.row, teacher_response=r.text) + "\n" for r in finished)
     with open(os.path.join(tmp, "heldout.jsonl"), "w") as f:
-        for row in eval_rows:
-            f.write(record(row) + "\n")
+        f.writelines(record(row) + "\n" for row in eval_rows)
     print(f"teacher data: {len(finished)} of {len(rollouts)} answers finished and not empty, success "
           f"{success_rate(finished, cfg):.3f} on the training prompts -> {out}")
     if os.path.exists(out):  # another process won the race

@@ -302,7 +302,7 @@ def verdicts(results: list[dict]) -> list[str]:
             out.append(f"target no loss > 2 SE: NO, {algo} {100 * g:+.1f} ± {100 * s:.1f}")
     if not any("no loss" in line for line in out):
         out.append("target no loss > 2 SE: yes")
-    for r in results:  # what each run warned its user of (logger.warn_once), as it said it
+    for r in results:  # what each run warned its user of (logger.Logger.log's warnings), as it said it
         out += [f"{r['algo']} warned: {w[:300]}" for w in r["warnings"]]
     return out
 

@@ -177,12 +177,10 @@ def reward_function(cfg, row: dict) -> Callable:
     return functools.partial(fn, **kwargs)
 
 
-def score(fn: Callable, response: str, row: dict, truncated: bool,
-          add_truncation_feedback: bool = True) -> Reward:
+def score(fn: Callable, response: str, row: dict, truncated: bool) -> Reward:
     """Call fn(response, row, truncated) and normalise its result to a Reward. Never raises: an
     exception, a non-number or a NaN/inf score gives score 0 with `error` set and no feedback.
-    With add_truncation_feedback, a truncated response always carries the truncation text (user
-    functions need not add it themselves)."""
+    A truncated response always carries the truncation text (user functions need not add it)."""
     uid = row.get("uid", "?") if isinstance(row, dict) else "?"
     fn_name = getattr(fn, "__name__", repr(fn))
     try:
@@ -215,25 +213,20 @@ def score(fn: Callable, response: str, row: dict, truncated: bool,
         return Reward(0.0, "", f"reward {fn_name} returned a non-finite score {value} for row uid {uid}")
     feedback = "" if feedback is None else str(feedback)
     error = "" if error is None else str(error)
-    if truncated and add_truncation_feedback and TRUNCATION_FEEDBACK not in feedback:
+    if truncated and TRUNCATION_FEEDBACK not in feedback:
         feedback = TRUNCATION_FEEDBACK + ("\n\n" + feedback if feedback else "")
     return Reward(value, feedback, error)
 
 
 def score_batch(fn: Callable, responses: list[str], rows: list[dict], truncated: list[bool],
-                workers: int | None = None, add_truncation_feedback: bool = True) -> list[Reward]:
+                workers: int | None = None) -> list[Reward]:
     """score() over a batch, results in input order. Runs in a thread pool because code rewards
     spend their time waiting on sandbox subprocesses; workers defaults to the number of CPUs."""
     if not (len(responses) == len(rows) == len(truncated)):
         raise ValueError(f"score_batch: got {len(responses)} responses, {len(rows)} rows, "
                          f"{len(truncated)} truncated flags")
     workers = workers or min(32, os.cpu_count() or 1)
-    args = list(zip(responses, rows, truncated))
-
-    def one(a):
-        return score(fn, a[0], a[1], a[2], add_truncation_feedback)
-
-    if workers <= 1 or len(args) <= 1:
-        return [one(a) for a in args]
+    if workers <= 1 or len(rows) <= 1:
+        return [score(fn, *args) for args in zip(responses, rows, truncated)]
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(one, args))
+        return list(pool.map(functools.partial(score, fn), responses, rows, truncated))

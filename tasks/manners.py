@@ -1,36 +1,21 @@
-"""Manners: the quiz's questions answered in one of two manners, GAD's testbed (docs/gad.md).
+"""Manners: the quiz's questions answered in one of two manners, GAD's testbed.
 
-A row is a quiz ("a:7*8", one question a line, operands 2..--data.quiz_max, operators from
---data.quiz_ops, --data.quiz_questions of them) whose reference answers every line in ONE
-manner, drawn per row from --data.manners:
+A row is a quiz (the --data.quiz_* flags) whose reference answers every line in ONE manner,
+drawn per row from --data.manners and not named by the prompt:
 
     eq      a) 7*8 = 56            is      (a) 7*8 is 56.         plain   a:7*8=56
 
-The prompt does not say which: the manner is the answerer's, as a black-box teacher's style
-is. The checker (reward) accepts any one manner of the row's (row["manners"]; a row
-read from a file without it: eq and is) and scores correctness AND coherence: 1.0 iff every
-line is in an accepted manner, all lines in the same one, each restates its question, and every
-result is right. A blend (lines in different manners) scores 0 whatever its results, and its
-feedback says which lines are in which manner; wrong results are marked line by line as the
-quiz's are (never naming a correct result the reply did not hold).
-
-Why (docs/gad.md): the teacher's text differs from a student's in manner as well as in being
-right, so a discriminator can tell them apart from local features without solving the quiz;
-SFT on a two-manner teacher covers both modes and may blend them, which the checker rejects.
-The student's start learns the same quizzes in the plain manner (--data.manners=plain).
-
-Its recipe (RECIPE, RECIPE_BY_ALGO, on top of the tiny model's): easy facts (operands 2..9: the
-point is the manner, not the arithmetic), plain SFT warm starts without teacher contexts.
+The checker scores correctness AND coherence: a blend of manners scores 0 whatever its results.
+What it tests and why: docs/gad.md, The manners testbed.
 """
 from __future__ import annotations
 
 import re
-import string
 from dataclasses import dataclass
 
 from errors import FlagError
 from feedback import TOTAL_CHARS, Reward, cut, truncated_reward
-from tasks.quiz import OPS
+from tasks.quiz import draw_questions
 
 REWARD = "manners"  # its rows name this file's `reward`
 
@@ -73,14 +58,8 @@ def make_row(rng, cfg) -> dict:
     """One quiz (the quiz's --data.quiz_* flags) whose reference is in one manner of cfg.manners,
     drawn per row after the questions (so the questions, the uid and the split do not depend
     on the manners)."""
-    if not 1 <= cfg.quiz_questions <= 26:
-        raise FlagError(f"--data.quiz_questions={cfg.quiz_questions}: questions are labelled a-z, so 1 to 26")
+    questions = draw_questions(rng, cfg)
     manners = check_manners(cfg.manners)
-    questions = []
-    for label in string.ascii_lowercase[:cfg.quiz_questions]:
-        a, b, op = rng.randint(2, cfg.quiz_max), rng.randint(2, cfg.quiz_max), rng.choice(cfg.quiz_ops)
-        a, b = (max(a, b), min(a, b)) if op == "-" else (a, b)  # results stay non-negative
-        questions.append((label, a, op, b, OPS[op](a, b)))
     manner = rng.choice(manners)
     tests = [{"input": f"{label}:{a}{op}{b}", "output": str(result)} for label, a, op, b, result in questions]
     return {

@@ -1,21 +1,10 @@
 """The quiz: labelled arithmetic lines, answered one per line, and a checker that marks each line.
 
-The synthetic task whose feedback tells the teacher what the prompt cannot. A quiz is a few
-labelled questions like "a:7+8", one per line (the row's `tests`: input = question, output
-= its result); the model answers line by line, "a:7+8=15". The score is 1 only if every result
-is right, as with a program that must pass every test. The feedback on a wrong reply marks
-each line right or wrong, the way a grader points at the faulty steps of a multi-step answer:
-
-    Wrong Answer: 2 of 4 results are wrong.
-    a:7+8=15 is right.
-    b:3*4 is wrong.
-    ...
-
-A model cannot check its own answers, so this is information the prompt does not hold:
-the teacher shown it can keep the answers marked right and needs to redo only the wrong ones.
-It never shows a correct result the reply did not already contain. `--data.quiz_feedback=values`
-names the wrong result ("b:3*4 is not 13."): more information, which the tiny teacher misuses
-by copying it (docs/LOG.md: the decisive token).
+A quiz is a few questions like "a:7+8" (the row's `tests`: input = question, output = its
+result), answered "a:7+8=15"; the score is 1 only if every result is right. The feedback marks
+each line ("a:7+8=15 is right.", "b:3*4 is wrong."): information the prompt does not hold, and
+never a correct result the reply did not contain (docs/data.md, Synthetic tasks; docs/results.md,
+SDPO vs GRPO on the quiz).
 """
 import operator
 import random
@@ -47,14 +36,12 @@ class Flags:
     quiz_feedback: str = FEEDBACK[0]  # a wrong line's feedback: "marks" (b:3*4 is wrong.) or "values" (b:3*4 is not 13.)
 
 
-# The recipe (on top of tiny.py's). Warm start: copying what a context shows forms only with half
-# the examples feedback contexts and lines the model cannot all compute, and the student's success
-# then climbs steeply, so the warm start stops at an estimated held-out success of
-# --train.warm_start_target, inside the band where RL has room; its first 300 steps show every
-# prompt as a teacher context, so that copying forms before the facts do. RL: each objective at the
-# best rate of an lr grid on this warm start; SDPO with reverse KL, the paper's choice with rich
-# feedback. The measurements behind each value: docs/results.md (SDPO vs GRPO on the quiz) and
-# docs/gad.md (GAD's values).
+# The recipe (on top of tiny.py's). Copying what a context shows forms only with half the warm start's
+# examples feedback contexts, its first 300 steps all contexts so that it forms before the facts do;
+# the student's success then climbs steeply, so the warm start stops at an estimated held-out success
+# inside the band where RL has room. Each objective at the best rate of an lr grid; SDPO with reverse
+# KL, the paper's choice with rich feedback. The measurements: docs/results.md (SDPO vs GRPO on the
+# quiz), docs/gad.md.
 RECIPE = {
     "train.warm_start_steps": 2000,  # at most: the target stops it
     "train.warm_start_demo_frac": 0.3,
@@ -73,17 +60,24 @@ RECIPE_BY_ALGO = {
 }
 
 
-def make_row(rng: random.Random, cfg: Flags) -> dict:
+def draw_questions(rng: random.Random, cfg: Flags) -> list[tuple]:
+    """(label, a, op, b, result) of each of a quiz's --data.quiz_questions questions."""
     if not 1 <= cfg.quiz_questions <= 26:
         raise FlagError(f"--data.quiz_questions={cfg.quiz_questions}: questions are labelled a-z, so 1 to 26")
-    if cfg.quiz_feedback not in FEEDBACK:
-        raise FlagError(f"--data.quiz_feedback={cfg.quiz_feedback!r}: choose from {FEEDBACK}")
     questions = []
     for label in string.ascii_lowercase[:cfg.quiz_questions]:
         a, b, op = rng.randint(2, cfg.quiz_max), rng.randint(2, cfg.quiz_max), rng.choice(cfg.quiz_ops)
         a, b = (max(a, b), min(a, b)) if op == "-" else (a, b)  # results stay non-negative
         # The label lets a small model find its place: it copies the line after "c:" (induction).
-        questions.append({"input": f"{label}:{a}{op}{b}", "output": str(OPS[op](a, b))})
+        questions.append((label, a, op, b, OPS[op](a, b)))
+    return questions
+
+
+def make_row(rng: random.Random, cfg: Flags) -> dict:
+    drawn = draw_questions(rng, cfg)
+    if cfg.quiz_feedback not in FEEDBACK:
+        raise FlagError(f"--data.quiz_feedback={cfg.quiz_feedback!r}: choose from {FEEDBACK}")
+    questions = [{"input": f"{label}:{a}{op}{b}", "output": str(result)} for label, a, op, b, result in drawn]
     shown = "\n".join(q["input"] for q in questions)
     return {
         "uid": "quiz:" + ",".join(q["input"] for q in questions),

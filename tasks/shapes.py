@@ -3,11 +3,7 @@
 The generator draws one to `--data.shapes_max` shapes in the cells of a grid and asks about
 them (SHAPES_QUESTION_KINDS): a count, a colour, a position, the whole scene in reading order,
 or a picture quiz of several such questions answered one per line. The checker's feedback says
-what was wrong without giving the answer: a wrong count is "not the number of shapes in the
-picture", a wrong colour "not the colour of the circle", a wrong position "not where the red
-square is"; a wrong scene answer is told how many shapes there are, or which of those it named
-are wrong; a picture quiz's lines are each marked right or wrong, as the text quiz's are. A
-response without "Answer: ..." is told the format.
+what was wrong ("not the colour of the circle"; a quiz's lines marked right or wrong), never the answer.
 """
 import random
 import re
@@ -39,16 +35,10 @@ class Flags:
     shapes_image_size: int = 112  # pixels a side (112: 16 image tokens for Qwen2-VL's 28-pixel units)
 
 
-# The recipe (on top of tiny.py's): RL on picture quizzes. RL asks picture quizzes (the "quiz"
-# kind): up to three count and position questions about one picture, answered one per line, all of
-# which must be right, whose feedback marks each line right or wrong, information the prompt does
-# not hold. Colour questions are left out of the quizzes: shown the answer as a demonstration, the
-# tiny model's teacher cannot copy a colour word as it copies counts and places, so it could not
-# teach them. Warm start: all five kinds (scene questions, "name every shape in reading order", a
-# dense description of each picture: without them the tiny VLM stayed about blind), 2,000 steps
-# whose first 300 show every prompt as a teacher context so that copying forms before the answers
-# do, then 20% demonstrations and 30% feedback contexts. RL: one rate for SDPO and GRPO, JSD. The
-# measurements behind each value: docs/data.md ("The picture quiz", "Measured on the picture task").
+# The recipe (on top of tiny.py's): RL on picture quizzes of counts and places, whose feedback marks
+# each line (colours left out: the tiny teacher cannot copy a colour word); a warm start on all five
+# kinds (scene questions teach it to see), its first 300 steps all teacher contexts. Why each value:
+# docs/data.md ("The picture quiz", "Measured on the picture task").
 RECIPE = {
     "data.shapes_questions": "quiz",
     "data.shapes_quiz_kinds": "count,position",
@@ -149,9 +139,7 @@ def make_row(rng: random.Random, cfg: Flags) -> dict:
         if not 1 <= cfg.shapes_quiz_questions <= 26:
             raise FlagError(f"--data.shapes_quiz_questions={cfg.shapes_quiz_questions}: questions are labelled "
                              f"a-z, so 1 to 26")
-        quiz_kinds = cfg.shapes_quiz_kinds.split(",")
-        if unknown := set(quiz_kinds) - {"count", "colour", "position"}:
-            raise FlagError(f"--data.shapes_quiz_kinds: unknown kinds {sorted(unknown)}; use count, colour, position")
+        quiz_kinds = check_kinds(cfg.shapes_quiz_kinds, "shapes_quiz_kinds", ("count", "colour", "position"))
         # every question the picture answers unambiguously, in a fixed order (count, colours, positions)
         pool = [count] * ("count" in quiz_kinds) + \
             [colour(s) for s in once(lambda s: s["kind"]) if "colour" in quiz_kinds] + \

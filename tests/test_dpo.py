@@ -410,9 +410,9 @@ def _refused(flags, capsys) -> str:
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--dpo.beta=0"], "--dpo: need beta > 0 (got 0.0)"),
-    (["--dpo.label_smoothing=0.5"], "0 <= label_smoothing < 0.5 (got 0.5)"),
-    (["--dpo.ref_update_every=-1"], "ref_update_every >= 0 (got -1)"),
+    (["--dpo.beta=0"], "--dpo.beta=0.0: must be > 0"),
+    (["--dpo.label_smoothing=0.5"], "--dpo.label_smoothing=0.5: must be at least 0 and below 0.5"),
+    (["--dpo.ref_update_every=-1"], "--dpo.ref_update_every=-1: must be at least 0"),
     (["--dpo.reference_free=True", "--dpo.ref_update_every=2"],
      "--dpo.reference_free has no reference to refresh: drop --dpo.ref_update_every"),
 ])

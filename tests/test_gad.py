@@ -343,15 +343,14 @@ def test_the_self_made_teacher_trains_past_the_students_early_stop():
 
 
 @pytest.mark.parametrize("flag, got", [
-    ("--gad.lr=0", "lr > 0 (got 0.0)"), ("--gad.grad_clip=-1", "grad_clip > 0 (got -1.0)"),
-    ("--gad.disc_steps=0", "disc_steps >= 1 (got 0)"),
-    ("--gad.warmup_steps=-1", "critic_warmup >= 0 (got -1, 0)"),
-    ("--gad.critic_warmup=-2", "critic_warmup >= 0 (got 0, -2)"),
+    ("--gad.lr=0", "--gad.lr=0.0: must be > 0"), ("--gad.grad_clip=-1", "--gad.grad_clip=-1.0: must be > 0"),
+    ("--gad.disc_steps=0", "--gad.disc_steps=0: must be at least 1"),
+    ("--gad.warmup_steps=-1", "--gad.warmup_steps=-1: must be at least 0"),
+    ("--gad.critic_warmup=-2", "--gad.critic_warmup=-2: must be at least 0"),
 ])
 def test_gad_flags_out_of_range_are_refused_naming_them(flag, got, capsys):
     from test_dpo import _refused
-    text = _refused(["--algo=gad", flag], capsys)
-    assert "--gad: need" in text and got in text
+    assert got in _refused(["--algo=gad", flag], capsys)
     run.parse_config(["--algo=gad", "--gad.disc_steps=1", "--gad.warmup_steps=0", "--gad.critic_warmup=0"])
 
 

@@ -23,7 +23,6 @@ from microbatch import Models
 from objectives import OBJECTIVES
 from rollout import Sample
 from teacher import Teacher
-from config import TrainConfig
 from evaluate import context_entropies, paired_gain, row_success, stderr, teacher_gap, teacher_gap_warnings
 from logger import DEMO_RIGHT, DEMO_WRONG, FLAT_TEACHER_METRIC, FLAT_TEACHER_NATS
 from policy import CausalLM, load_policy, lr_factor
@@ -1288,8 +1287,8 @@ def test_warm_start_stops_at_the_first_check_that_reaches_its_target(tiny_dir, t
     assert os.path.exists(os.path.join(out, "final", "model.safetensors"))
     evaluated = {row["uid"] for row in data.task_rows("quiz", "test", 2048, cfg=cfg.data)}
     assert len(seen[0]) == 256 and not evaluated & {row["uid"] for row in seen[0]}
-    with pytest.raises(ValueError, match="warm_start_target=1.5: a success rate"):
-        TrainConfig(warm_start_target=1.5)
+    with pytest.raises(data.FlagError, match="warm_start_target=1.5: a rate, 0 to 1"):
+        run.parse_config(["--train.warm_start_target=1.5"])
 
 
 def test_the_first_context_steps_show_every_prompt_as_a_teacher_context(tokenizer):

@@ -171,7 +171,7 @@ def test_a_picture_quiz_asks_what_the_picture_answers_and_its_feedback_marks_eac
     places = data.task_rows("shapes", "train", 60, cfg=TaskConfig(shapes_questions="quiz", shapes_quiz_kinds="position"))
     assert all(t["input"][3:].startswith("Where is") for row in places for t in row["tests"])
     assert sum(len(row["tests"]) > 1 for row in places) > 20
-    with pytest.raises(ValueError, match="shapes_quiz_kinds: unknown kinds \\['scene'\\]"):
+    with pytest.raises(ValueError, match="shapes_quiz_kinds=count,scene: unknown kinds \\['scene'\\]"):
         data.task_rows("shapes", "train", 5, cfg=TaskConfig(shapes_questions="quiz", shapes_quiz_kinds="count,scene"))
 
 

@@ -1,9 +1,7 @@
 """The code reward: run the model's Python program against a row's tests in the sandbox.
 
-This package is the code reward and all it needs: this file (extraction, verdicts, feedback
-texts), sandbox.py (the bubblewrap sandbox one rollout's tests run in) and harness.py (the
-standard-library-only runner mounted alone inside it). The other reward functions in
-feedback/ are small modules of their own.
+This file: extraction, verdicts, feedback texts; sandbox.py: the bubblewrap sandbox one
+rollout's tests run in; harness.py: the standard-library-only runner mounted alone inside it.
 
 A test is stdin -> stdout ({"input", "output"}), a function call ({"fn", "args", "kwargs",
 "expected", "tol"}; `fn` may be `Solution.method`) or test code calling `candidate` ({"fn",
@@ -193,10 +191,10 @@ def _failure_fields(r: RunResult, test: dict) -> list[tuple[str, str]] | None:
     return io_fields(_shown_input(test), repr(r.value), repr(test["expected"]))
 
 
-def code_reward(response: str, row: dict, truncated: bool, cpu_seconds: float = 5.0, idle_seconds: float = 5.0,
-                memory_mb: int = 512, max_procs: int = 64, max_file_mb: int = 16, disk_mb: int = 64,
-                shm_mb: int = 64, allow_network: bool = False) -> Reward:
-    """Score the response's program on row["tests"] (see the module docstring for their kinds)."""
+def code_reward(response: str, row: dict, truncated: bool, **limits) -> Reward:
+    """Score the response's program on row["tests"] (see the module docstring for their kinds).
+    limits: fields of sandbox.Limits (--data.reward_kwargs), its defaults for the rest."""
+    limits = Limits(**limits)
     tests = row_field(row, "tests", "code")
     if truncated:
         return truncated_reward()
@@ -207,8 +205,6 @@ def code_reward(response: str, row: dict, truncated: bool, cpu_seconds: float = 
     if err is not None:
         return Reward(0.0, _error_feedback("Compile Error", err, None))
 
-    limits = Limits(cpu_seconds=cpu_seconds, idle_seconds=idle_seconds, memory_mb=memory_mb, max_procs=max_procs,
-                    max_file_mb=max_file_mb, disk_mb=disk_mb, shm_mb=shm_mb, allow_network=allow_network)
     order = shortest_first(tests, test_size)
     results = run_tests(code, [tests[i] for i in order], limits, stop_on_error=True)
     failures = []

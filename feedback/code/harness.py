@@ -1,18 +1,15 @@
 """The inside of the code sandbox: the test runner and the program server. Standard library only.
 
-feedback/code/sandbox.py starts `python -I harness.py --job FD --out FD` (the *runner*: runs every
-test of the job in order, one JSON line per result), which starts `python -I harness.py --serve
-SOLUTION` (the *server*: runs the program as a module, answers calls on fds 3 and 4) for
-function-call and assert tests. The runner is trusted; values cross from the program only as
-JSON of built-in types (`encode_value`). CPU time of all the program's processes is the budget,
-idle time and a wall-clock backstop catch waiting, resident memory of all processes is bounded;
-the runner polls and kills all of the program when a limit fires. Who can touch what and how
-each limit is measured: docs/sandbox.md.
+`--job FD --out FD` is the trusted *runner* (every test in order, one JSON line per result);
+`--serve SOLUTION` the *server* it starts for call and assert tests (the program as a module,
+calls on fds 3 and 4). The two roles, who can touch what and how each limit is measured:
+docs/sandbox.md, How it is built.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import ctypes
 import fcntl
 import json
@@ -73,12 +70,9 @@ def encode_value(x, depth: int = 0):
         return str.__str__(x)
     if isinstance(x, list):
         return [encode_value(v, d) for v in x]
-    if isinstance(x, tuple):
-        return {"tuple": [encode_value(v, d) for v in x]}
-    if isinstance(x, frozenset):
-        return {"frozenset": [encode_value(v, d) for v in x]}
-    if isinstance(x, set):
-        return {"set": [encode_value(v, d) for v in x]}
+    for kind in (tuple, frozenset, set):
+        if isinstance(x, kind):
+            return {kind.__name__: [encode_value(v, d) for v in x]}
     if isinstance(x, dict):
         return {"dict": [[encode_value(k, d), encode_value(v, d)] for k, v in x.items()]}
     if isinstance(x, (bytes, bytearray)):
@@ -102,18 +96,15 @@ def decode_value(j, depth: int = 0):
         return [decode_value(v, d) for v in j]
     if t is dict and len(j) == 1:
         (tag, v), = j.items()
-        if tag == "tuple" and type(v) is list:
-            return tuple(decode_value(e, d) for e in v)
-        if tag in ("set", "frozenset") and type(v) is list:
-            try:
+        try:
+            if tag == "tuple" and type(v) is list:
+                return tuple(decode_value(e, d) for e in v)
+            if tag in ("set", "frozenset") and type(v) is list:
                 return (set if tag == "set" else frozenset)(decode_value(e, d) for e in v)
-            except TypeError as e:
-                raise ValueError(f"malformed {tag}: {e}") from None
-        if tag == "dict" and type(v) is list and all(type(p) is list and len(p) == 2 for p in v):
-            try:
+            if tag == "dict" and type(v) is list and all(type(p) is list and len(p) == 2 for p in v):
                 return {decode_value(k, d): decode_value(e, d) for k, e in v}
-            except TypeError as e:
-                raise ValueError(f"malformed dict: {e}") from None
+        except TypeError as e:  # an unhashable set member or dict key
+            raise ValueError(f"malformed {tag}: {e}") from None
         if tag == "bytes" and type(v) is str:
             return bytes.fromhex(v)
         if tag == "complex" and type(v) is list and len(v) == 2 and all(type(e) in (int, float) for e in v):
@@ -209,13 +200,10 @@ class _SockFprog(ctypes.Structure):
 
 
 def seccomp_filter():
-    """The filter (a sock_fprog, with its instructions kept alive on it), None on an unknown
-    architecture. CPU time stays countable because no process is ever reaped without its parent
-    collecting its time: no SIGCHLD disposition can be set (SIG_IGN and SA_NOCLDWAIT make the
-    kernel discard a child's time), and no pid namespace can be made (whose end discards it too:
-    the kernel reaps its processes as if SIGCHLD were ignored). Memory stays countable because
-    memfds, SysV IPC and io_uring rings, which no RSS shows, cannot be made. Other ABIs (i386's
-    int 0x80, x32) are refused: their numbers differ."""
+    """The filter (a sock_fprog, its instructions kept alive on it), None on an unknown architecture.
+    No SIGCHLD disposition and no pid namespace (either makes the kernel discard a reaped child's
+    CPU time), no memfd, SysV IPC or io_uring (memory no RSS shows), no other ABI (i386's int 0x80,
+    x32: other numbers). Why each: docs/sandbox.md, How the limits are measured."""
     arch = os.uname().machine
     if arch not in AUDIT_ARCH:
         return None
@@ -439,8 +427,8 @@ class Runner:
         status = os.wait4(pid, 0)[1]
         watch.stop()
         self.end_program()
-        return [{"returncode": os.waitstatus_to_exitcode(status), "limit": watch.fired, "cpu": watch.cpu(),
-                 "wall": time.monotonic() - t0, **self._outputs(fds, test["stdout_cap"])}]
+        return [{"returncode": os.waitstatus_to_exitcode(status), "limit": watch.fired, "cpu_seconds": watch.cpu(),
+                 "wall_seconds": time.monotonic() - t0, **self._outputs(fds, test["stdout_cap"])}]
 
     def run_calls(self, test: dict) -> list[dict]:
         """All function-call tests of a group in one program process, in order, each with the
@@ -455,7 +443,7 @@ class Runner:
                     break
                 results.append({"exception": reply["exception"]} if "exception" in reply else
                                {"value": encode_value(reply["value"])})  # plain data again, for the trainer
-                results[-1]["cpu"] = session.watch.cpu() - session.watch.budget_cpu0
+                results[-1]["cpu_seconds"] = session.watch.cpu() - session.watch.budget_cpu0
                 if "exception" in reply:
                     break
         # the call that raised or died gets how the program ended; a clean session adds nothing
@@ -596,10 +584,8 @@ class Session:
         when that matters (it failed to load, died, or raised)."""
         self.watch.stop()
         for f in (self.requests, self.replies):
-            try:
+            with contextlib.suppress(OSError):
                 f.close()
-            except OSError:
-                pass
         code = self.runner.end_program(self.pid)
         outputs = self.runner._outputs(self.fds)
         if self.loaded is not None and "load_error" in self.loaded:
@@ -608,15 +594,13 @@ class Session:
             result["died"] = True
         if "died" in result or "load_error" in result:
             result.update(returncode=code, limit=self.watch.fired or ("output" if self.oversize else ""))
-        result.update(cpu=self.watch.cpu(), wall=time.monotonic() - self.t0, **outputs)
+        result.update(cpu_seconds=self.watch.cpu(), wall_seconds=time.monotonic() - self.t0, **outputs)
         return result
 
 
 def _kill(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _reap(block: bool = False) -> None:
@@ -682,8 +666,7 @@ class Watch:
     def __init__(self, runner: Runner, main_pid: int):
         self.runner, self.limits, self.main_pid = runner, runner.limits, main_pid
         self.fired = ""
-        self.budget_cpu0 = 0.0
-        self._cpu = 0.0
+        self.budget_cpu0 = self._cpu = 0.0
         self._rss = self._files = 0
         self._idle = self._disk = 0.0  # time idle; time only waiting for the disk (idle beyond a grace)
         self._t_budget = time.monotonic()
@@ -760,10 +743,8 @@ class Watch:
         me = str(os.getpid())
         for pid, st in self.runner.program_procs():
             if st[0] == "Z" and st[1] == me and pid != self.main_pid:
-                try:
+                with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
 
 
 def _thread_states(pid: int, st: list[str]) -> set[str]:

@@ -1,20 +1,21 @@
 """Run an untrusted Python program against tests, isolated from the machine that trains on it.
 
-One sandbox per `run_tests` call (one rollout's tests), built by bubblewrap: new mount, pid,
-network, ipc and uts namespaces; the program sees the runtime read-only, its own tmpfs
-directories, and nothing else. Inside, feedback/code/harness.py runs each test in fresh processes
-and enforces the limits. Without bubblewrap the sandbox is *weak*: `isolation()` says which,
-and `require_isolation` refuses to go on unless the user accepts it. What holds and what does
-not, the mounts and the uid pool: docs/sandbox.md.
+One bubblewrap sandbox per `run_tests` call (one rollout's tests), in which harness.py runs each
+test and enforces the limits; without bubblewrap it is *weak* (`isolation()`), which
+`require_isolation` refuses unless the user accepts it. The namespaces, the mounts, the uid pool
+and what holds and what does not: docs/sandbox.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
+import glob
 import json
 import os
 import pwd
+import re
 import shutil
 import subprocess
 import sys
@@ -164,22 +165,16 @@ def _bwrap_version(bwrap: str) -> tuple[int, ...] | None:
         return None
 
 
-def _announce(iso: Isolation) -> None:
-    global _announced
-    if not _announced:
+def accept_weak_sandbox() -> None:
+    """Run programs even where the sandbox cannot isolate them (says so once, loudly)."""
+    global _weak_accepted, _announced
+    _weak_accepted = True
+    iso = isolation()
+    if not iso.isolated and not _announced:
         _announced = True
         text = "weak code sandbox, accepted by --data.allow_weak_sandbox:\n  - " + "\n  - ".join(iso.problems)
         print("\n" + "!" * 80 + "\nWARNING: " + text + "\n" + "!" * 80 + "\n", file=sys.stderr, flush=True)
-        warnings.warn(text, RuntimeWarning, stacklevel=3)
-
-
-def accept_weak_sandbox() -> None:
-    """Run programs even where the sandbox cannot isolate them (says so once, loudly)."""
-    global _weak_accepted
-    _weak_accepted = True
-    iso = isolation()
-    if not iso.isolated:
-        _announce(iso)
+        warnings.warn(text, RuntimeWarning, stacklevel=2)
 
 
 def require_isolation(allow_weak: bool) -> Isolation:
@@ -274,11 +269,8 @@ def _job(code: str, tests: list[dict], uid: int | None, root_dir: str, nproc_bas
 
 
 def _result(r: dict) -> RunResult:
-    res = RunResult(r["index"], r.get("stdout", ""), r.get("stderr", ""), bool(r.get("stdout_cut")),
-                    r.get("returncode"), r.get("limit") or "", r.get("cpu", 0.0), r.get("wall", 0.0),
-                    exception=r.get("exception"),
-                    load_error=r.get("load_error"), died=bool(r.get("died")), passed=bool(r.get("passed")),
-                    failure=r.get("failure"), last_call=r.get("last_call") or {}, error=r.get("error", ""))
+    """A line of the runner's results (RunResult's fields: the runner writes them) with its value decoded."""
+    res = RunResult(**{k: v for k, v in r.items() if k != "value"})
     if "value" in r:
         try:
             res.value, res.has_value = decode_value(r["value"]), True
@@ -390,21 +382,17 @@ def _runtime_mounts() -> list[str]:
 
 
 def _killpg(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, 9)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _rmtree(path: str) -> None:
     """rmtree that also works when the program chmod-ed its own dirs to 000."""
     def fix(func, p, _exc):
-        try:
+        with contextlib.suppress(OSError):
             os.chmod(os.path.dirname(p), 0o700)
             os.chmod(p, 0o700)
             func(p)
-        except OSError:
-            pass
     shutil.rmtree(path, onerror=fix)
 
 
@@ -415,25 +403,14 @@ def _rmtree(path: str) -> None:
 def _scan_proc(tasks: bool = False) -> list[tuple[int, int]]:
     """(pid, real uid) of every process (or every thread, with tasks), zombies included."""
     rows = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        paths = [f"/proc/{name}/status"]
-        if tasks:
-            try:
-                paths = [f"/proc/{name}/task/{t}/status" for t in os.listdir(f"/proc/{name}/task")]
-            except OSError:
-                continue
-        for path in paths:
-            try:
-                with open(path, "rb") as f:
-                    text = f.read()
-            except OSError:
-                continue  # exited meanwhile
-            for line in text.split(b"\n"):
-                if line.startswith(b"Uid:"):
-                    rows.append((int(name), int(line.split()[1])))
-                    break
+    for path in glob.glob("/proc/[0-9]*/task/[0-9]*/status" if tasks else "/proc/[0-9]*/status"):
+        try:
+            with open(path, "rb") as f:
+                uid = re.search(rb"^Uid:\s+(\d+)", f.read(), re.MULTILINE)
+        except OSError:
+            continue  # exited meanwhile
+        if uid:
+            rows.append((int(path.split("/")[2]), int(uid.group(1))))
     return rows
 
 
