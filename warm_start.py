@@ -191,12 +191,19 @@ def teacher_data(cfg: Config, teacher_cfg: Config, teacher_dir: str, d: Dist) ->
         reward=cfg.data.reward or tasks.task_rows(cfg.data.task, "test", 1, cfg=cfg.data)[0]["reward"]))
 
 
+TASK_ROW_KEYS = {"uid", "messages", "answer", "tests", "reference", "reward", "images", "source", "columns",
+                 "teacher_response"}  # what every row has; the rest is the task's own
+
+
 def write_teacher_data(engine, tokenizer, train_rows: list, eval_rows: list, cfg: Config, out: str, paths: dict):
     rollouts = generate_and_score(engine, tokenizer, train_rows, cfg, stream_seed("generation", cfg.train.seed, 0), 1,
                                   cfg.gad.teacher_temperature)
     tmp = out + f".tmp-{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
-    record = lambda row, **extra: json.dumps({"uid": row["uid"], "prompt": row["messages"], "answer": row["answer"],
+    # a task's own fields (the manners a row accepts, ...) become the file's columns: a reward reads
+    # them from row["columns"], as from any data file's
+    record = lambda row, **extra: json.dumps({**{k: v for k, v in row.items() if k not in TASK_ROW_KEYS},
+                                              "uid": row["uid"], "prompt": row["messages"], "answer": row["answer"],
                                               "tests": row["tests"], **extra})
     finished = [r for r in rollouts if not r.truncated and r.text.strip()]
     with open(os.path.join(tmp, "train.jsonl"), "w") as f:

@@ -92,7 +92,8 @@ def reward(response: str, row: dict, truncated: bool) -> Reward:
     tests = row.get("tests")
     if not tests:
         raise ValueError("manners reward needs row['tests'] (one {input: 'a:7*8', output: '56'} per question)")
-    accepted = row.get("manners") or DEFAULT_MANNERS.split(",")
+    # a data file's rows (the GAD teacher's answers, warm_start.teacher_data) carry it as a column
+    accepted = row.get("manners") or row.get("columns", {}).get("manners") or DEFAULT_MANNERS.split(",")
     if truncated:
         return truncated_reward()
     lines = [ln.strip() for ln in response.splitlines() if ln.strip()]

@@ -4,6 +4,7 @@ import copy
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -354,16 +355,14 @@ def test_gad_flags_out_of_range_are_refused_naming_them(flag, got, capsys):
     run.parse_config(["--algo=gad", "--gad.disc_steps=1", "--gad.warmup_steps=0", "--gad.critic_warmup=0"])
 
 
-def test_the_self_made_teacher_writes_its_finished_answers_as_the_runs_data(tiny_dir, tokenizer, tmp_path,
-                                                                            monkeypatch, capsys):
-    """On a synthetic task GAD's black-box teacher is made here (warm_start.teacher_data): it answers
-    each training prompt once at --gad.teacher_temperature; its finished, non-empty answers become
-    train.jsonl's teacher_response, the held-out rows heldout.jsonl, and the run reads those files."""
+def _fake_teacher(monkeypatch, tokenizer, references) -> list:
+    """warm_start's teacher engine replaced by one that answers prompt i: cut off, empty, or
+    references[i], in turn; returns the list its calls are recorded in."""
     import warm_start
     from rollout import Sample
     calls = []
 
-    class TeacherEngine:  # answers prompt i: cut off, empty, or the row's reference, in turn
+    class TeacherEngine:
         def generate(self, prompts, n, temperature, max_tokens, seed, images=None):
             calls.append((len(prompts), n, temperature))
             out = []
@@ -375,12 +374,43 @@ def test_the_self_made_teacher_writes_its_finished_answers_as_the_runs_data(tiny
 
         def close(self):
             calls.append("closed")
+    monkeypatch.setattr(warm_start, "start_engine", lambda *args: TeacherEngine())
+    monkeypatch.setattr(warm_start, "load_tokenizer", lambda path: tokenizer)
+    return calls
+
+
+def test_the_teacher_data_file_keeps_the_task_rows_own_fields_for_the_reward(tokenizer, tmp_path, monkeypatch):
+    """A task row's own fields (the manners a manners row accepts) become the teacher-data file's
+    columns, and the reward reads them there: with --data.manners=eq, an answer in the 'is'
+    manner scores 0 on the file's rows as on the task's."""
+    import warm_start
+    from feedback import reward_function
+    from tasks.manners import write_line
+    cfg = run.parse_config(["--algo=gad", "--data.task=manners", "--data.manners=eq", "--data.train_rows=6",
+                            "--data.eval_rows=2"])
+    train_rows, _ = data.read_rows(cfg)
+    _fake_teacher(monkeypatch, tokenizer, [row["reference"] for row in train_rows])
+    got = warm_start.teacher_data(cfg, warm_start.gad_teacher_config(cfg), str(tmp_path / "t" / "final"), ONE_PROCESS)
+    rows, held_out = run.load_data(got)
+    assert rows and all(row["columns"]["manners"] == ["eq"] for row in rows + held_out)
+    for row in rows:
+        score = reward_function(got, row)
+        questions = [re.fullmatch(r"(\w):(\d+)(\D)(\d+)", t["input"]).groups() + (t["output"],) for t in row["tests"]]
+        assert score("\n".join(write_line("eq", *q) for q in questions), row, False).score == 1.0
+        assert score("\n".join(write_line("is", *q) for q in questions), row, False).score == 0.0
+
+
+def test_the_self_made_teacher_writes_its_finished_answers_as_the_runs_data(tiny_dir, tokenizer, tmp_path,
+                                                                            monkeypatch, capsys):
+    """On a synthetic task GAD's black-box teacher is made here (warm_start.teacher_data): it answers
+    each training prompt once at --gad.teacher_temperature; its finished, non-empty answers become
+    train.jsonl's teacher_response, the held-out rows heldout.jsonl, and the run reads those files."""
+    import warm_start
     cfg = run.parse_config(["--algo=gad", "--data.task=strops", "--data.train_rows=9", "--data.eval_rows=4",
                             "--gad.teacher_temperature=0.7"])
     train_rows, eval_rows = data.read_rows(cfg)
     references = [row["reference"] for row in train_rows]
-    monkeypatch.setattr(warm_start, "start_engine", lambda *args: TeacherEngine())
-    monkeypatch.setattr(warm_start, "load_tokenizer", lambda path: tokenizer)
+    calls = _fake_teacher(monkeypatch, tokenizer, references)
     teacher_dir = str(tmp_path / "teacher" / "final")
     got = warm_start.teacher_data(cfg, warm_start.gad_teacher_config(cfg), teacher_dir, ONE_PROCESS)
     assert calls == [(len(train_rows), 1, 0.7), "closed"]
