@@ -166,6 +166,10 @@ def _masked_sequence_mean(values, mask):
     return total / mask.sum(-1).clamp(min=1.0)
 
 
+def _broadcast_advantages(advantages, like):
+    return advantages.unsqueeze(-1) if advantages.dim() == like.dim() - 1 else advantages
+
+
 def importance_weights(logprobs, old_logprobs, cap, level="token", mask=None):
     """
     Truncated importance weights, always detached.
@@ -184,13 +188,11 @@ def importance_weights(logprobs, old_logprobs, cap, level="token", mask=None):
     multiply by the mask (or let aggregate do it).
     """
     log_ratio = (logprobs - old_logprobs).detach()
-    if level == "token":
-        pass
-    elif level == "sequence":
+    if level == "sequence":
         if mask is None:
             raise ValueError("level='sequence' needs mask")
         log_ratio = _masked_sequence_mean(log_ratio, mask).unsqueeze(-1).expand_as(logprobs)
-    else:
+    elif level != "token":
         raise ValueError(f"unknown level {level!r}")
     return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=cap)
 
@@ -211,10 +213,7 @@ def grpo_advantages(rewards, group_ids, norm_by_std=True, eps=1e-6):
         index_of = {}
         group_ids = torch.tensor([index_of.setdefault(g, len(index_of)) for g in group_ids], dtype=torch.long)
     _, group_index = torch.unique(group_ids.to(rewards.device), return_inverse=True)
-    num_groups = int(group_index.max()) + 1 if group_index.numel() else 0
-    counts = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device).index_add_(
-        0, group_index, torch.ones_like(rewards)
-    )
+    counts = torch.bincount(group_index).to(rewards.dtype)
     sums = torch.zeros_like(counts).index_add_(0, group_index, rewards)
     centred = rewards - (sums / counts)[group_index]
     if not norm_by_std:
@@ -233,10 +232,8 @@ def hybrid_advantages(grpo_adv, teacher_token_logprobs, student_token_logprobs, 
 
     grpo_adv [B] (or [B, L]), token log-probs [B, L] -> [B, L], detached.
     """
-    if grpo_adv.dim() == teacher_token_logprobs.dim() - 1:
-        grpo_adv = grpo_adv.unsqueeze(-1)
     sdpo_adv = teacher_token_logprobs - student_token_logprobs
-    return (lam * grpo_adv + (1.0 - lam) * sdpo_adv).detach()
+    return (lam * _broadcast_advantages(grpo_adv, sdpo_adv) + (1.0 - lam) * sdpo_adv).detach()
 
 
 # -----------------------------------------------------------------------------
@@ -251,10 +248,6 @@ def _clipped_surrogate(ratio, advantages, eps_low, eps_high):
     ratio = ratio.detach()
     is_clipped = ((advantages > 0) & (ratio > 1.0 + eps_high)) | ((advantages < 0) & (ratio < 1.0 - eps_low))
     return loss, is_clipped
-
-
-def _broadcast_advantages(advantages, like):
-    return advantages.unsqueeze(-1) if advantages.dim() == like.dim() - 1 else advantages
 
 
 def ppo_clip_loss(logprobs, old_logprobs, advantages, eps_low=0.2, eps_high=0.2):
@@ -337,16 +330,8 @@ def kl_estimate(logprobs, ref_logprobs, kind="k3"):
 # DPO and GAD
 
 
-def dpo_loss(
-    policy_chosen,
-    policy_rejected,
-    ref_chosen=None,
-    ref_rejected=None,
-    beta=0.1,
-    kind="sigmoid",
-    label_smoothing=0.0,
-    reference_free=False,
-):
+def dpo_loss(policy_chosen, policy_rejected, ref_chosen=None, ref_rejected=None, beta=0.1, kind="sigmoid",
+             label_smoothing=0.0, reference_free=False):
     """
     DPO family per pair. Inputs [P]: summed response log-probs of the
     chosen / rejected responses under the policy and the reference.
