@@ -121,13 +121,11 @@ class _TopKDistillFromHidden(torch.autograd.Function):
 
         for start in range(0, num_tokens, chunk_size):
             rows = slice(start, min(start + chunk_size, num_tokens))
-            student_logits = _logits_into(
-                student_buffer, student_hidden[rows], student_weight, temperature, low_precision_buffer
-            )
+            student_logits = _logits_into(student_buffer, student_hidden[rows], student_weight, temperature,
+                                          low_precision_buffer)
             student_top, ids = student_logits.topk(k, dim=-1)
-            teacher_logits = _logits_into(
-                teacher_buffer, teacher_hidden[rows], teacher_weight, temperature, low_precision_buffer
-            )
+            teacher_logits = _logits_into(teacher_buffer, teacher_hidden[rows], teacher_weight, temperature,
+                                          low_precision_buffer)
             if teacher_mix:  # trust-region teacher: lerp(ref, student, r), student side detached
                 teacher_logits.lerp_(student_logits, teacher_mix)
             teacher_top = teacher_logits.gather(-1, ids)
@@ -139,9 +137,8 @@ class _TopKDistillFromHidden(torch.autograd.Function):
                 topk_ids[rows], student_tops[rows], student_lses[rows] = ids, student_top, student_lse
                 teacher_supports[rows] = teacher_support
                 continue
-            losses[rows], grad_top, grad_lse = _support_grads(
-                student_top, student_lse, teacher_support, alpha, add_tail, token_weights[rows].to(work_dtype)
-            )
+            losses[rows], grad_top, grad_lse = _support_grads(student_top, student_lse, teacher_support, alpha,
+                                                              add_tail, token_weights[rows].to(work_dtype))
             softmax_scaled = student_logits.mul_(grad_lse / student_row_sum)
             _backprop_chunk(softmax_scaled, ids, grad_top, temperature, rows, student_hidden, student_weight, grads,
                             low_precision_buffer)
@@ -165,29 +162,20 @@ class _TopKDistillFromHidden(torch.autograd.Function):
             if ctx.backward_done:
                 raise RuntimeError("weighted sdpo_topk_loss_from_hidden supports a single backward")
             ctx.backward_done = True
-            grad_hidden, grad_weight = ctx.saved_tensors
-            grad_hidden = None if grad_hidden is None else grad_hidden.mul_(grad_output)
-            grad_weight = None if grad_weight is None else grad_weight.mul_(grad_output)
-        else:
-            grad_hidden, grad_weight = _backward_by_vocab_blocks(ctx, grad_output)
-        hidden_dtype, weight_dtype = ctx.input_dtypes
-        grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden_dtype)
-        grad_weight = None if grad_weight is None else grad_weight.to(weight_dtype)
-        return (grad_hidden, grad_weight) + (None,) * 9
+            grad_hidden, grad_weight = (None if g is None else g.mul_(grad_output) for g in ctx.saved_tensors)
+        else:  # the divergence's gradients w.r.t. the top-K logits and logsumexp, chained to the inputs
+            hidden, weight, topk_ids, student_tops, student_lses, teacher_supports = ctx.saved_tensors
+            _, grad_top, grad_lse = _support_grads(student_tops, student_lses, teacher_supports, alpha, add_tail,
+                                                   grad_output.to(teacher_supports.dtype))
+            grad_hidden, grad_weight = _head_grads_by_vocab_blocks(hidden, weight, student_lses, grad_lse, topk_ids,
+                                                                   grad_top, temperature, chunk_size,
+                                                                   *ctx.needs_input_grad[:2])
+        return _cast_grads(grad_hidden, grad_weight, ctx.input_dtypes) + (None,) * 9
 
 
-def _backward_by_vocab_blocks(ctx, grad_output):
-    """
-    Per-token mode backward: the divergence's gradients w.r.t. the student's top-K logits
-    and logsumexp, chained to the inputs by _head_grads_by_vocab_blocks.
-    """
-    k, alpha, add_tail, temperature, chunk_size, _ = ctx.config
-    student_hidden, student_weight, topk_ids, student_tops, student_lses, teacher_supports = ctx.saved_tensors
-    _, grad_top, grad_lse = _support_grads(
-        student_tops, student_lses, teacher_supports, alpha, add_tail, grad_output.to(teacher_supports.dtype)
-    )
-    return _head_grads_by_vocab_blocks(student_hidden, student_weight, student_lses, grad_lse, topk_ids, grad_top,
-                                       temperature, chunk_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+def _cast_grads(grad_hidden, grad_weight, dtypes) -> tuple:
+    """The gradients (None where not needed) in the inputs' dtypes."""
+    return tuple(None if g is None else g.to(dtype) for g, dtype in zip((grad_hidden, grad_weight), dtypes))
 
 
 def _head_grads_by_vocab_blocks(hidden, weight, lses, grad_lse, ids, grad_ids, temperature, chunk_size,
@@ -229,9 +217,8 @@ def _head_grads_by_vocab_blocks(hidden, weight, lses, grad_lse, ids, grad_ids, t
         logprobs = _logits_into(buffer, hidden, weight_block, temperature, low_buffer, shift=lses)
         grad_logits = logprobs.exp_().mul_(grad_lse)
         entries = slice(edges[i], edges[i + 1])
-        grad_logits.index_put_(
-            (sorted_rows[entries], sorted_ids[entries] - start), sorted_grads[entries], accumulate=True
-        )
+        grad_logits.index_put_((sorted_rows[entries], sorted_ids[entries] - start), sorted_grads[entries],
+                               accumulate=True)
         if low_buffer is not None:
             grad_logits = low_buffer.copy_(grad_logits)
         if grad_hidden is not None:
@@ -331,22 +318,19 @@ class _TokenLogprobsFromHidden(torch.autograd.Function):
                                ).squeeze(-1)
         ctx.mark_non_differentiable(entropies)
         ctx.save_for_backward(hidden, weight, targets, lses)
-        ctx.config = (temperature, chunk_size, hidden.dtype, weight.dtype)
+        ctx.config, ctx.input_dtypes = (temperature, chunk_size), (hidden.dtype, weight.dtype)
         return logprobs, entropies
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs, grad_entropies):
         hidden, weight, targets, lses = ctx.saved_tensors
-        temperature, chunk_size, hidden_dtype, weight_dtype = ctx.config
+        temperature, chunk_size = ctx.config
         grad = grad_logprobs.to(lses.dtype)[:, None]
         # d log p_t / dz = onehot(t) - softmax(z): the logsumexp gets -grad, the target +grad
-        grad_hidden, grad_weight = _head_grads_by_vocab_blocks(
-            hidden, weight, lses, -grad, targets[:, None], grad, temperature, chunk_size,
-            ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden_dtype)
-        grad_weight = None if grad_weight is None else grad_weight.to(weight_dtype)
-        return grad_hidden, grad_weight, None, None, None
+        grads = _head_grads_by_vocab_blocks(hidden, weight, lses, -grad, targets[:, None], grad, temperature,
+                                            chunk_size, *ctx.needs_input_grad[:2])
+        return _cast_grads(*grads, ctx.input_dtypes) + (None,) * 3
 
 
 def token_logprobs_from_hidden(hidden, weight, targets, temperature=1.0, chunk_size=512):
