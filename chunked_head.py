@@ -137,8 +137,9 @@ class _TopKDistillFromHidden(torch.autograd.Function):
                 topk_ids[rows], student_tops[rows], student_lses[rows] = ids, student_top, student_lse
                 teacher_supports[rows] = teacher_support
                 continue
+            weights = token_weights[rows].to(work_dtype)
             losses[rows], grad_top, grad_lse = _support_grads(student_top, student_lse, teacher_support, alpha,
-                                                              add_tail, token_weights[rows].to(work_dtype))
+                                                              add_tail, weights)
             softmax_scaled = student_logits.mul_(grad_lse / student_row_sum)
             _backprop_chunk(softmax_scaled, ids, grad_top, temperature, rows, student_hidden, student_weight, grads,
                             low_precision_buffer)
@@ -165,11 +166,11 @@ class _TopKDistillFromHidden(torch.autograd.Function):
             grad_hidden, grad_weight = (None if g is None else g.mul_(grad_output) for g in ctx.saved_tensors)
         else:  # the divergence's gradients w.r.t. the top-K logits and logsumexp, chained to the inputs
             hidden, weight, topk_ids, student_tops, student_lses, teacher_supports = ctx.saved_tensors
-            _, grad_top, grad_lse = _support_grads(student_tops, student_lses, teacher_supports, alpha, add_tail,
-                                                   grad_output.to(teacher_supports.dtype))
-            grad_hidden, grad_weight = _head_grads_by_vocab_blocks(hidden, weight, student_lses, grad_lse, topk_ids,
-                                                                   grad_top, temperature, chunk_size,
-                                                                   *ctx.needs_input_grad[:2])
+            _, grad_top, grad_lse = _support_grads(student_tops, student_lses, teacher_supports, alpha,
+                                                   add_tail, grad_output.to(teacher_supports.dtype))
+            grad_hidden, grad_weight = _head_grads_by_vocab_blocks(
+                hidden, weight, student_lses, grad_lse, topk_ids, grad_top, temperature, chunk_size,
+                *ctx.needs_input_grad[:2])
         return _cast_grads(grad_hidden, grad_weight, ctx.input_dtypes) + (None,) * 9
 
 

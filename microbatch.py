@@ -223,9 +223,10 @@ def rollout_stats(mb: MicroBatch, old_logprobs: torch.Tensor, entropy: torch.Ten
     the engine sampled (sampled [N]: 1 for those, 0 for a reference response's; None: all)."""
     sampled = torch.ones_like(entropy) if sampled is None else sampled
     ratio = (old_logprobs - mb.rollout_logprobs).clamp(-20, 20).exp()
+    mismatch_kl = losses.kl_estimate(mb.rollout_logprobs, old_logprobs, "k3")
     return {
         "actor/entropy": masked_stat(entropy, sampled),
-        "rollout/mismatch_kl": masked_stat(losses.kl_estimate(mb.rollout_logprobs, old_logprobs, "k3"), sampled),
+        "rollout/mismatch_kl": masked_stat(mismatch_kl, sampled),
         "is/ratio_mean": masked_stat(ratio, sampled),
         "is/ratio_max": (ratio[sampled > 0].max().item() if sampled.any() else 0.0, 1.0),
     }

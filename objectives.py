@@ -206,7 +206,7 @@ def sdpo_loss(mb: MicroBatch, models: Models, cfg):
     divergence = mb.matrix(loss).detach()
     stats = {**rollout_stats(mb, old, entropy), "sdpo/divergence": masked_stat(divergence, mask)}
     right = lambda r: r.reward >= cfg.sdpo.success_threshold
-    stats.update(stats_by_kind(mb, "sdpo/divergence", divergence, mask, {  # a partition of the covered samples
+    stats.update(stats_by_kind(mb, "sdpo/divergence", divergence, mask, {  # partitions the covered samples
         "right": lambda r: right(r) and not r.truncated, "wrong": lambda r: not (right(r) or r.truncated),
         "truncated": lambda r: r.truncated}))
     stats.update(teacher_diagnostics(mb, mask, current, entropy, teacher_lp, teacher_entropy,
@@ -221,8 +221,9 @@ def teacher_diagnostics(mb: MicroBatch, mask, student_lp, student_entropy, teach
     by kind of teacher context, by the success of a sample shown a demonstration, and at the
     EOS that ended each finished answer."""
     logprob_gap = mb.matrix(teacher_lp - student_lp)
+    entropy_gap = mb.matrix(teacher_entropy - student_entropy)
     stats = {"sdpo/teacher_entropy": masked_stat(mb.matrix(teacher_entropy), mask),
-             "sdpo/teacher_minus_student_entropy": masked_stat(mb.matrix(teacher_entropy - student_entropy), mask)}
+             "sdpo/teacher_minus_student_entropy": masked_stat(entropy_gap, mask)}
     demo = lambda r: r.teacher_context == "demonstration"
     stats.update(stats_by_kind(mb, "sdpo/teacher_minus_student_logprob", logprob_gap, mask, {
         "demo": demo, "feedback": lambda r: r.teacher_context == "feedback",
@@ -541,7 +542,8 @@ OBJECTIVES = {
     "sdpo": Objective(loss=sdpo_loss, prepare=prepare_teacher_contexts, counted=lambda r: r.sdpo_mask > 0,
                       models=("teacher",)),
     "grpo": Objective(loss=grpo_loss, prepare=prepare_advantages, moves=lambda r: r.advantage != 0),
-    "gspo": Objective(loss=functools.partial(grpo_loss, surrogate="gspo"), prepare=prepare_advantages, moves=lambda r: r.advantage != 0),
+    "gspo": Objective(loss=functools.partial(grpo_loss, surrogate="gspo"), prepare=prepare_advantages,
+                      moves=lambda r: r.advantage != 0),
     "hybrid": Objective(loss=hybrid_loss, prepare=prepare_hybrid, models=("teacher",),
                         moves=lambda r: r.advantage != 0 or r.sdpo_mask > 0),  # without a teacher T - S = 0
     "sft": Objective(loss=sft_loss, references=True),
