@@ -26,17 +26,17 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # vLLM general plugins found on this path run in every process vLLM starts (vllm_plugins/).
-PLUGIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_plugins")
+PLUGIN_DIR = os.path.join(ROOT, "vllm_plugins")
 VLLM_LOGGING = os.path.join(PLUGIN_DIR, "logging.json")
 USER_CONFIGURED_VLLM_LOGGING = bool({"VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING"} & set(os.environ)) or \
     os.environ.get("VLLM_LOGGING_CONFIG_PATH", VLLM_LOGGING) != VLLM_LOGGING
 if not USER_CONFIGURED_VLLM_LOGGING:
-    # vLLM configures its logging only once an engine starts, so a warning at its import goes
-    # through Python's last-resort handler: "Triton is installed, but doesn't include CPU
-    # backend", about kernels a CPU engine does not use, once in the trainer and once in each
-    # engine process. Here, because those processes import the main script, and with it this
-    # module, before vLLM.
+    # vLLM's "Triton is installed, but doesn't include CPU backend" comes at its import, before
+    # its logging is configured; here, since the engine's processes import the main script, and
+    # this module, before vLLM (docs/loop.md, What the console shows)
     logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
+
+
 @contextlib.contextmanager
 def patched_env(set_vars: dict, remove_vars=()):
     saved = {k: os.environ.get(k) for k in list(set_vars) + list(remove_vars)}
@@ -54,35 +54,28 @@ def patched_env(set_vars: dict, remove_vars=()):
 
 
 REAPER = """
-import signal, sys, time, psutil
-def _running(p):
-    try:
+import contextlib, signal, sys, time, psutil
+def running(p):
+    with contextlib.suppress(psutil.Error):
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+    return False
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the trainer decides
 processes = []
 for pid in sys.argv[1:]:
-    try:
+    with contextlib.suppress(psutil.Error):
         processes.append(psutil.Process(int(pid)))  # remembers its start time: a reused pid is never hit
-    except psutil.Error:
-        pass
 sys.stdin.read()  # returns when the pipe closes: the trainer closed the engine, or died
 for p in processes:
-    try:
+    with contextlib.suppress(psutil.Error):
         p.terminate()
-    except psutil.Error:
-        pass
 deadline = time.monotonic() + 3  # an engine has nothing to save: a short grace, then SIGKILL
 while processes and time.monotonic() < deadline:
     # a zombie has exited (its parent, the trainer, reaps it): waiting on its pid would last the whole grace
-    processes = [p for p in processes if _running(p)]
+    processes = [p for p in processes if running(p)]
     time.sleep(0.05)
 for p in processes:
-    try:
+    with contextlib.suppress(psutil.Error):
         p.kill()
-    except psutil.Error:
-        pass
 """
 
 
@@ -100,9 +93,8 @@ def descendants() -> set[int]:
 
 def pin_threads(pid: int, cores: list[int]):
     """Every thread of process pid that may run outside cores onto them (its later threads
-    inherit it). vLLM binds its CPU worker's OpenMP threads only, one to a core, which stays:
-    the engine core's scheduler and the other threads ran on any core, so an engine generating
-    beside the trainer (--train.off_policy_steps 1) took more than its share (docs/async.md)."""
+    inherit it): vLLM binds only its CPU worker's OpenMP threads, and the others took the
+    trainer's cores beside an asynchronous trainer (docs/async.md, Threads on a CPU)."""
     with contextlib.suppress(OSError):  # a process or thread that has ended meanwhile
         for tid in map(int, os.listdir(f"/proc/{pid}/task")):
             with contextlib.suppress(OSError):
@@ -131,26 +123,18 @@ def alive(process) -> bool:
 
 
 def quiet_vllm_logging():
-    """vLLM's own logging at WARNING (its ~60 INFO lines at start-up mean nothing to a user), and
-    warnings that are harmless here hidden (vllm_plugins/logging.json): "Failed to load weights" of
-    a layer the reload skips (every sync is proven by its probe), the CPU worker's LD_PRELOAD
-    hints, and start-up warnings about settings chosen here on purpose (eager mode, whole-prompt
-    prefill; the worker's "OMP_NUM_THREADS=N is set", which vLLM set itself for the cores it binds;
-    "force killing remaining process EngineCore" / "force killing sub process VLLM::Worker" at close,
-    which gives it 2 s on purpose; the logger of the second also holds start-up notes about
-    settings vLLM overrides itself). Only
-    where the user has not configured vLLM's logging (VLLM_LOGGING_LEVEL=INFO)."""
+    """vLLM's own logging at WARNING, and its warnings that are harmless here hidden
+    (vllm_plugins/logging.json; which and why: docs/loop.md, What the console shows). Only where
+    the user has not configured vLLM's logging (VLLM_LOGGING_LEVEL=INFO)."""
     if not USER_CONFIGURED_VLLM_LOGGING:
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = VLLM_LOGGING
 
 
 def quiet_engine_processes() -> dict:
-    """The environment of the engine's processes, less three warnings that mean nothing to a
-    user: torch's deprecation of `reduce_op` as vLLM's Triton dispatcher scans every module;
-    the CPU worker's C++ note that it binds memory to its NUMA node (the binding it is given);
-    and, at exit, the resource tracker's "1 leaked shared_memory objects", vLLM's message-queue
-    buffer, which the tracker then removes. Where the user has not set PYTHONWARNINGS or
-    TORCH_CPP_LOG_LEVEL themselves."""
+    """The environment of the engine's processes, less three warnings that mean nothing to a user
+    (torch's `reduce_op` deprecation, the CPU worker's NUMA note, the resource tracker's leaked
+    shared memory at exit: docs/loop.md, What the console shows), unless the user set
+    PYTHONWARNINGS or TORCH_CPP_LOG_LEVEL."""
     env = {}
     if "PYTHONWARNINGS" not in os.environ:
         env["PYTHONWARNINGS"] = ("ignore::FutureWarning:vllm.triton_utils.dispatcher,"
@@ -179,15 +163,10 @@ def use_plugins(env: dict):
 
 def cpu_split(cfg: Config) -> tuple[list[int], int, int]:
     """On CPU: (the cores the engine's worker computes on, each rank's torch threads while the
-    engine generates beside the trainer, and while it does not).
-
-    Two OpenMP pools on the same cores slow each other many times over: a thread waiting at a
-    barrier spins while the one it waits for is preempted by the other pool. In the synchronous
-    loop the engine and the trainer take turns, so each gets every core; with
-    --train.off_policy_steps 1 the engine generates on half of them while the trainer learns
-    on the rest, and the trainer takes every core again once that generation has ended
-    (share_cores). A thread count the user set (the flags, OMP_NUM_THREADS,
-    VLLM_CPU_OMP_THREADS_BIND) is kept.
+    engine generates beside the trainer, and while it does not). Taking turns, each gets every
+    core; with --train.off_policy_steps 1 they split them, since two OpenMP pools on the same
+    cores slow each other many times over (docs/async.md, Threads on a CPU). A thread count the
+    user set (the flags, OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND) is kept.
     """
     cores = sorted(os.sched_getaffinity(0))
     ahead = cfg.train.off_policy_steps > 0
