@@ -213,12 +213,6 @@ def teacher_prompt_ids(tokenizer, messages: list[dict], demonstration: str | Non
 # the batch
 
 
-def _decode_demonstration(tokenizer, ids: list[int], keep_ids: set[int], drop_ids: set[int], cfg: SdpoConfig) -> str:
-    """Response text without special tokens (think tags kept if they are special), thinking stripped."""
-    text = tokenizer.decode([t for t in ids if t not in drop_ids or t in keep_ids], skip_special_tokens=False)
-    return strip_thinking(text) if cfg.remove_thinking_from_demonstration else text
-
-
 def build_teacher_batch(tokenizer, rows: list[dict], response_ids: list[list[int]], response_texts: list[str],
                         rewards: list[float], feedbacks: list[str], cfg: SdpoConfig) -> TeacherBatch:
     """Teacher inputs, self-distillation mask and metrics for a batch of rollouts.
@@ -279,8 +273,10 @@ def _teacher_inputs(tokenizer, rows, response_ids, feedbacks, demo_index, use_fb
     input_ids, prompt_lens = [], []
     for i, row in enumerate(rows):
         j = demo_index[i]
-        if j is not None and j not in demo_text:
-            demo_text[j] = _decode_demonstration(tokenizer, list(response_ids[j]), keep_ids, special, cfg)
+        if j is not None and j not in demo_text:  # without special tokens but think tags, thinking stripped
+            text = tokenizer.decode([t for t in response_ids[j] if t not in special or t in keep_ids],
+                                    skip_special_tokens=False)
+            demo_text[j] = strip_thinking(text) if cfg.remove_thinking_from_demonstration else text
         demo = demo_text[j] if j is not None else None
         fb = feedbacks[i] if use_fb[i] else None
         # Siblings sharing a demonstration and no feedback get the same context: tokenise it once.
