@@ -108,14 +108,12 @@ def micro_batch(policy, rollouts: list, counts: dict, pad_id: int, device, old_l
 
 def pack(model, seqs: list, response_lens: list, pad_id: int, device, images: list | None = None,
          shared_prefix: bool = False, groups: list | None = None) -> packing.Packed:
-    """Sequences laid out for model (run.CausalLM): packing.pack, or packing.pack_shared_prefix
+    """Sequences laid out for model (policy.CausalLM): packing.pack, or packing.pack_shared_prefix
     (groups: each sequence's group key, whose members' common prompt runs once more).
 
-    For a vision-language model, images[i] are sequence i's pictures (the row's: a teacher
-    context keeps the prompt's pictures), and each picture's placeholder in seqs[i] is
-    expanded to its image tokens unless it already is (the engine's prompt ids are). Such
-    sequences never share a prefix: each runs as an ordinary right-padded row, exact, without
-    carrying 3-D rope positions from a prefix (docs/data.md, In the trainer).
+    For a vision-language model, images[i] are sequence i's pictures, their placeholders in
+    seqs[i] expanded unless they already are; such sequences never share a prefix, each runs as
+    an ordinary right-padded row (docs/data.md, In the trainer).
     """
     vision = getattr(model, "vision", None)
     if vision is None:
@@ -177,16 +175,15 @@ def share_prompts(cfg) -> bool:
 
 
 def forward(model, packed: packing.Packed, head):
-    """Run model (run.CausalLM) on packed sequences; head(hidden [N, H], lm_head weight) is
+    """Run model (policy.CausalLM) on packed sequences; head(hidden [N, H], lm_head weight) is
     applied to the hidden states at the response positions inside the model's forward."""
     return model(packed, head)
 
 
 def logprob_head(targets: torch.Tensor, temperature: float, chunk_size: int):
     """Head for the policy-gradient, DPO and SFT losses: the log-probs of targets [N] (with
-    gradient) and the entropy [N] (without). chunk_size > 0: chunk_size rows of logits at a
-    time, never [N, V] (chunked_head.token_logprobs_from_hidden); 0: one pass over the full
-    float32 logits (plain autograd, which keeps them for backward)."""
+    gradient) and the entropy [N] (without). chunk_size > 0: chunked_head.token_logprobs_from_hidden;
+    0: plain autograd over the float32 [N, V] logits (docs/loop.md, Memory)."""
     def head(hidden, weight):
         if chunk_size:
             return chunked_head.token_logprobs_from_hidden(hidden, weight, targets, temperature, chunk_size)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import subprocess
 import sys
 from typing import TYPE_CHECKING
 
@@ -77,13 +78,6 @@ for p in processes:
     with contextlib.suppress(psutil.Error):
         p.kill()
 """
-
-
-def start_reaper(processes: list):
-    """A small process that terminates `processes` once this process has gone (its stdin closes)."""
-    import subprocess
-    return subprocess.Popen([sys.executable, "-c", REAPER] + [str(p.pid) for p in processes],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
 
 
 def descendants() -> set[int]:
@@ -224,7 +218,9 @@ def supervise(before: set[int], bound: list[int] | None) -> tuple[dict, object]:
     that ends them when this process ends without closing the engine (kill -9: vLLM's own
     processes outlive their parent); on CPU their threads pinned to bound."""
     started = processes_since(before)
-    reaper = start_reaper([p for p, _ in started.values()]) if started else None
+    # REAPER: a small process that terminates them once this process has gone (its stdin closes)
+    reaper = subprocess.Popen([sys.executable, "-c", REAPER, *map(str, started)], stdin=subprocess.PIPE,
+                              stdout=subprocess.DEVNULL) if started else None
     for pid in started if bound else ():
         pin_threads(pid, bound)
     return started, reaper
