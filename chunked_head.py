@@ -254,32 +254,24 @@ def _new_grads(ctx, student_hidden, student_weight, work_dtype):
 def sdpo_topk_loss_from_hidden(student_hidden, student_lm_head_weight, teacher_hidden, teacher_lm_head_weight=None,
                                k=100, alpha=0.5, add_tail=True, temperature=1.0, chunk_size=512, teacher_mix=0.0,
                                token_weights=None):
-    """
-    Top-K SDPO divergence computed from hidden states without materialising [N, V]
-    logits. Equals, in value and gradient,
+    """Top-K SDPO divergence computed from hidden states without materialising [N, V] logits.
+    Equals, in value and gradient,
 
         S, T, _ = topk_with_tail(student_hidden @ W_s^T, teacher_hidden @ W_t^T, k, add_tail, temperature)
         sdpo_divergence(S, T, alpha)                                       # [N]
 
-    student_hidden [N, H]: final hidden states at the response positions (select them
-    first, e.g. hidden[mask.bool()], so padding costs nothing); student_lm_head_weight
-    W_s [V, H]; teacher_hidden [N, H] and teacher_lm_head_weight W_t [V, H] (an EMA
-    teacher has its own head; None = W_s). No bias term. teacher_mix = r mixes the
-    teacher logits with the student's own, at the same rows: lerp(teacher,
-    student.detach(), r). That is the paper's trust-region teacher only when the student's
-    logits there are those of the teacher context; objectives.py instead passes the exact
-    trust-region teacher as concatenated hidden states and heads (teacher.py). The
-    teacher side never gets a gradient. Logits are computed chunk_size rows at a time in
-    float32 (float64 for float64 inputs); bf16/fp16 inputs get bf16/fp16 matmuls.
+    student_hidden [N, H]: final hidden states at the response positions only; W_s [V, H];
+    teacher_hidden [N, H] and W_t [V, H] (None = W_s); no bias term. teacher_mix = r: teacher
+    logits lerp(teacher, student.detach(), r) at the same rows (the exact trust-region teacher
+    is passed as concatenated hidden states and heads instead, teacher.py). The teacher side
+    never gets a gradient. Logits are float32 (float64 for float64 inputs); bf16/fp16 inputs
+    get bf16/fp16 matmuls.
 
-    Returns per-token losses [N] (in float32/float64) whose backward accepts any
-    grad_output [N], so the caller may multiply by mask x IS weight / global count and
-    sum. Backward then re-runs the student head in blocks of vocab columns (one extra
-    N*V*H matmul, so about 5/4 of the plain path's matmul work).
-    When token_weights [N] (detached) is given, returns the scalar
-    sum_n token_weights[n] * loss[n] instead, with the gradients built during forward:
-    no recomputation, but the [V, H] weight gradient is held from forward to backward,
-    and only one backward is allowed. Memory and chunk sizes: docs/loop.md.
+    Returns per-token losses [N] whose backward accepts any grad_output [N] and re-runs the
+    student head in blocks of vocab columns (one extra N*V*H matmul). With token_weights [N]
+    (detached): the scalar sum_n token_weights[n] * loss[n], its gradients built in forward (no
+    recomputation, but the [V, H] weight gradient held until backward; one backward only).
+    Memory and chunk sizes: docs/loop.md, Memory.
     """
     if teacher_lm_head_weight is None:
         teacher_lm_head_weight = student_lm_head_weight
@@ -335,20 +327,17 @@ class _TokenLogprobsFromHidden(torch.autograd.Function):
 
 
 def token_logprobs_from_hidden(hidden, weight, targets, temperature=1.0, chunk_size=512):
-    """
-    Token log-probs with a gradient, and entropies without, from final hidden states,
-    never materialising [N, V] logits. Equals, in value and gradient,
+    """Token log-probs with a gradient, and entropies without, from final hidden states, never
+    materialising [N, V] logits. Equals, in value and gradient,
 
         logits = (hidden @ weight.T).float()
         token_logprobs(logits, targets, temperature), entropy_from_logits(logits.detach(), temperature)
 
     hidden [N, H] (the response positions only), weight [V, H] (the LM head, no bias),
     targets [N] int64 -> (logprobs [N], entropy [N]) in float32 (float64 for float64
-    inputs); bf16/fp16 inputs get bf16/fp16 matmuls. Forward computes chunk_size rows of
-    logits at a time in one reused buffer and keeps only each row's logsumexp; backward
-    accepts any grad_output [N] and re-runs the head in blocks of vocab columns (one
-    extra N*V*H matmul: 4/3 of the plain path's head matmuls). The plain path keeps the
-    float32 [N, V] logits and their gradient; this keeps two [chunk_size, V] buffers.
+    inputs); bf16/fp16 inputs get bf16/fp16 matmuls. Forward keeps only each row's
+    logsumexp; backward accepts any grad_output [N] and re-runs the head in blocks of vocab
+    columns (one extra N*V*H matmul; docs/loop.md, Memory).
     """
     if chunk_size < 1:
         raise ValueError(f"token_logprobs_from_hidden: chunk_size must be >= 1, got {chunk_size} "

@@ -180,10 +180,7 @@ def importance_weights(logprobs, old_logprobs, cap, level="token", mask=None):
 
     logprobs, old_logprobs [B, L]; mask [B, L] is required for level="sequence".
     For the SDPO IS clip pass (S_tok, old_tok); for rollout correction pass
-    (old_tok, rollout_tok).
-    Sequence level uses the *mean* log ratio (a known pitfall, "sequence ratios as means not
-    sums"): a sum grows with length, so long responses would sit at the cap or near 0
-    whatever their per-token mismatch.
+    (old_tok, rollout_tok). The mean, not the sum: a sum grows with length (docs/loop.md).
     A sequence with an empty mask gets weight 1. Masked positions are not zeroed here:
     multiply by the mask (or let aggregate do it).
     """
@@ -242,6 +239,7 @@ def hybrid_advantages(grpo_adv, teacher_token_logprobs, student_token_logprobs, 
 
 def _clipped_surrogate(ratio, advantages, eps_low, eps_high):
     """max(-A r, -A clip(r, 1-eps_low, 1+eps_high)) and where the clip stops the gradient."""
+    advantages = _broadcast_advantages(advantages.detach(), ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss = torch.maximum(unclipped, clipped)
@@ -262,7 +260,6 @@ def ppo_clip_loss(logprobs, old_logprobs, advantages, eps_low=0.2, eps_high=0.2)
     clipped branch is active, i.e. whose gradient is 0 (A>0 and ratio>1+eps_high, or
     A<0 and ratio<1-eps_low). clip fraction = aggregate(is_clipped.float(), mask, ...).
     """
-    advantages = _broadcast_advantages(advantages.detach(), logprobs)
     log_ratio = (logprobs - old_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return _clipped_surrogate(torch.exp(log_ratio), advantages, eps_low, eps_high)
 
@@ -279,7 +276,6 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, eps_low=3e-4, eps_high=4
     is_clipped [B, L] bool) as in ppo_clip_loss. Aggregate with seq-mean-token-mean,
     which makes the gradient that of s_i times the sequence advantage.
     """
-    advantages = _broadcast_advantages(advantages.detach(), logprobs)
     seq_log_ratio = _masked_sequence_mean(logprobs.detach() - old_logprobs.detach(), mask)
     seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).unsqueeze(-1)
     ratio = torch.exp(logprobs - logprobs.detach() + seq_log_ratio)
@@ -301,9 +297,8 @@ def kl_estimate(logprobs, ref_logprobs, kind="k3"):
         "<kind>+"  value of <kind>, gradient of k2: k2 + sg(value - k2)
 
     logprobs, ref_logprobs [...] -> [...]. The reference side is detached. k3 is >= 0.
-    The "+" forms use k2's gradient, d * grad logp, which on tokens sampled from pi is
-    in expectation the gradient of KL(pi || ref), while the value stays the named
-    estimator's for logging.
+    The "+" forms' gradient d * grad logp is, on tokens sampled from pi, in expectation the
+    gradient of KL(pi || ref); their value is the named estimator's, for logging.
     """
     straight_through = kind.endswith("+")
     base = kind[:-1] if straight_through else kind
@@ -416,11 +411,10 @@ def aggregate(per_token_loss, mask, mode, global_tokens=None, global_sequences=N
         seq-mean-token-sum-norm  sum(loss * mask) / (num_sequences * max_len)   (Dr. GRPO)
 
     num_tokens / num_sequences default to this batch's counts (global_counts(mask)); pass
-    the optimizer step's global counts instead and the sum of the micro-batch (and rank)
-    results equals the full-batch value, so the gradient does not depend on how the
-    batch is split. Sequences with an empty mask do not count in the seq-mean modes
-    (their loss is 0 anyway). max_len defaults to L, but micro-batches are padded
-    differently, so pass the global max response length for seq-mean-token-sum-norm.
+    the optimizer step's global counts instead and the micro-batches' (and ranks') results
+    sum to the full batch's (docs/loop.md, Aggregation). Sequences with an empty mask do not
+    count in the seq-mean modes. max_len defaults to L; pass the step's longest response for
+    seq-mean-token-sum-norm, since micro-batches are padded differently.
     Masked positions may hold inf/NaN (e.g. padding); they are dropped without
     poisoning the gradient. With nothing unmasked the result is 0, with a gradient path.
     """
