@@ -23,8 +23,7 @@ from losses import support_logprobs, sdpo_divergence
 
 
 def _logits_into(buffer, hidden, weight, temperature, low_precision_buffer, shift=None):
-    """
-    buffer[:n] <- hidden [n, H] @ weight [V, H]^T / temperature (- shift [n, 1]), in
+    """buffer[:n] <- hidden [n, H] @ weight [V, H]^T / temperature (- shift [n, 1]), in
     float32 or float64. The shift is folded into the matmul where the dtype allows.
     """
     n = hidden.shape[0]
@@ -42,8 +41,7 @@ def _logits_into(buffer, hidden, weight, temperature, low_precision_buffer, shif
 
 
 def _exp_shifted_(logits, row_max=None):
-    """
-    In place: logits [n, V] <- exp(logits - rowmax). Returns (logsumexp [n, 1], row sums
+    """In place: logits [n, V] <- exp(logits - rowmax). Returns (logsumexp [n, 1], row sums
     [n, 1]); softmax = logits / row sums afterwards.
     """
     row_max = logits.amax(-1, keepdim=True) if row_max is None else row_max
@@ -53,8 +51,7 @@ def _exp_shifted_(logits, row_max=None):
 
 
 def _support_grads(student_top, student_lse, teacher_support, alpha, add_tail, grad_losses):
-    """
-    Divergence on one chunk's small supports, and the gradient of sum(grad_losses * loss)
+    """Divergence on one chunk's small supports, and the gradient of sum(grad_losses * loss)
     w.r.t. the student's top-K logits [n, K] and full logsumexp [n, 1].
     Returns (loss [n], grad_top [n, K], grad_lse [n, 1]).
     """
@@ -67,8 +64,7 @@ def _support_grads(student_top, student_lse, teacher_support, alpha, add_tail, g
 
 
 def _backprop_chunk(softmax_scaled, ids, grad_top, temperature, rows, hidden, weight, grads, low_precision_buffer):
-    """
-    Chain one chunk's support gradients to the inputs. softmax_scaled [n, V] holds
+    """Chain one chunk's support gradients to the inputs. softmax_scaled [n, V] holds
     softmax(z) * grad_lse already (the logsumexp's gradient), the top-K ids add grad_top,
     and z = raw / temperature scales all by 1/temperature. Then through
     logits = hidden @ weight^T: grad_hidden[rows] = G @ W, grad_weight += G^T @ hidden.
@@ -90,8 +86,7 @@ def _backprop_chunk(softmax_scaled, ids, grad_top, temperature, rows, hidden, we
 
 
 class _TopKDistillFromHidden(torch.autograd.Function):
-    """
-    Chunked top-K SDPO loss; see sdpo_topk_loss_from_hidden.
+    """Chunked top-K SDPO loss; see sdpo_topk_loss_from_hidden.
 
     Per-token mode (token_weights is None): forward keeps only the top-K ids and logits
     [N, K], the student's logsumexp [N, 1] and the teacher's support log-probs [N, K(+1)];
@@ -181,8 +176,7 @@ def _cast_grads(grad_hidden, grad_weight, dtypes) -> tuple:
 
 def _head_grads_by_vocab_blocks(hidden, weight, lses, grad_lse, ids, grad_ids, temperature, chunk_size,
                                 need_hidden_grad, need_weight_grad):
-    """
-    Gradients through z = hidden [N, H] @ weight [V, H]^T / T of a loss whose gradient
+    """Gradients through z = hidden [N, H] @ weight [V, H]^T / T of a loss whose gradient
     w.r.t. the logits is known from per-row quantities: the row's logsumexp lses [N, 1]
     (of z) gets grad_lse [N, 1] and the entries ids [N, K] get grad_ids [N, K], so
         G[n, v] = (grad_lse[n] softmax(z_n)[v] + sum_j [ids[n, j] == v] grad_ids[n, j]) / T,
@@ -287,8 +281,7 @@ def sdpo_topk_loss_from_hidden(student_hidden, student_lm_head_weight, teacher_h
 
 
 class _TokenLogprobsFromHidden(torch.autograd.Function):
-    """
-    Chunked token log-probs and entropies; see token_logprobs_from_hidden. Forward keeps
+    """Chunked token log-probs and entropies; see token_logprobs_from_hidden. Forward keeps
     only each row's logsumexp [N, 1]; backward re-runs the head in vocab blocks.
     """
 
@@ -347,8 +340,7 @@ def token_logprobs_from_hidden(hidden, weight, targets, temperature=1.0, chunk_s
 
 @torch.no_grad()
 def logprobs_and_entropy_from_hidden(hidden, weight, targets, temperature=1.0, chunk=1024):
-    """
-    Token log-probs and entropies without a gradient, from final hidden states, chunk by
+    """Token log-probs and entropies without a gradient, from final hidden states, chunk by
     chunk so that at most [chunk, V] logits exist at once:
 
         logits = hidden @ weight.T;  (token_logprobs(logits, targets), entropy_from_logits(logits))

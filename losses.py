@@ -1,5 +1,4 @@
-"""
-The formulas: the losses of SDPO, GRPO, GSPO, DPO and GAD as pure functions of tensors.
+"""The formulas: the losses of SDPO, GRPO, GSPO, DPO and GAD as pure functions of tensors.
 
 Each docstring states its formula; docs/loop.md gathers them with the papers they come from
 (SDPO: arXiv 2601.20802, its section 4.5 for the lambda-hybrid; GSPO: arXiv 2507.18071; GAD:
@@ -29,8 +28,7 @@ DPO_KINDS = ("sigmoid", "ipo", "hinge", "robust")
 
 
 def token_logprobs(logits, token_ids, temperature=1.0):
-    """
-    Log-probability of the given tokens: log_softmax(logits / temperature)[token_ids].
+    """Log-probability of the given tokens: log_softmax(logits / temperature)[token_ids].
 
     logits [..., V], token_ids [...] (int64) -> [...] in the logits' dtype.
     Written as gather minus logsumexp so that no second [..., V] log-softmax tensor is
@@ -43,8 +41,7 @@ def token_logprobs(logits, token_ids, temperature=1.0):
 
 
 def entropy_from_logits(logits, temperature=1.0):
-    """
-    Entropy of softmax(logits / temperature) per position: H = -sum_v p_v log p_v.
+    """Entropy of softmax(logits / temperature) per position: H = -sum_v p_v log p_v.
 
     logits [..., V] -> [...]. Entries with logit -inf (p = 0) contribute exactly 0.
     """
@@ -70,8 +67,7 @@ def _kl_from_logprobs(logp, logq):
 
 
 def sdpo_divergence(student_logprobs, teacher_logprobs, alpha):
-    """
-    Per-position divergence between student S and teacher T over a support (last dim).
+    """Per-position divergence between student S and teacher T over a support (last dim).
 
         alpha = 0      forward KL   KL(T||S) = sum_s e^T (T - S)
         alpha = 1      reverse KL   KL(S||T) = sum_s e^S (S - T)
@@ -102,8 +98,7 @@ def sdpo_divergence(student_logprobs, teacher_logprobs, alpha):
 
 
 def support_logprobs(top_logits, full_logsumexp, add_tail):
-    """
-    Top-K logits [..., K] and the full-vocab logsumexp [..., 1] -> support log-probs.
+    """Top-K logits [..., K] and the full-vocab logsumexp [..., 1] -> support log-probs.
 
     With add_tail: [..., K+1], the last entry is log(1 - sum_k p_k) = log(-expm1(ls)),
     ls = logsumexp of the top-K log-probs clamped <= -1e-7 (so the tail stays finite
@@ -119,8 +114,7 @@ def support_logprobs(top_logits, full_logsumexp, add_tail):
 
 
 def topk_with_tail(student_logits, teacher_logits, k, add_tail=True, temperature=1.0):
-    """
-    Restrict student and teacher to the student's top-K ids per position.
+    """Restrict student and teacher to the student's top-K ids per position.
 
     student_logits, teacher_logits [..., V] (raw logits; divided by temperature here).
     Returns (student_support_logprobs, teacher_support_logprobs, topk_ids):
@@ -143,8 +137,7 @@ def topk_with_tail(student_logits, teacher_logits, k, add_tail=True, temperature
 
 
 def sdpo_token_loss(student_token_logprobs, teacher_token_logprobs):
-    """
-    Token-level SDPO (sampled token only, reverse KL only), per token [B, L]:
+    """Token-level SDPO (sampled token only, reverse KL only), per token [B, L]:
 
         loss_t = (S_tok - T_tok).detach() * S_tok
 
@@ -171,8 +164,7 @@ def _broadcast_advantages(advantages, like):
 
 
 def importance_weights(logprobs, old_logprobs, cap, level="token", mask=None):
-    """
-    Truncated importance weights, always detached.
+    """Truncated importance weights, always detached.
 
         token:    w_t = min(exp(clamp(logp_t - old_t, -20, 20)), cap)          [B, L]
         sequence: w_i = min(exp(clamp(mean_t (logp_t - old_t), -20, 20)), cap)
@@ -195,8 +187,7 @@ def importance_weights(logprobs, old_logprobs, cap, level="token", mask=None):
 
 
 def grpo_advantages(rewards, group_ids, norm_by_std=True, eps=1e-6):
-    """
-    GRPO advantage per sample:
+    """GRPO advantage per sample:
 
         A_i = (r_i - mean_g) / (std_g + eps)   (unbiased std over the group g of i)
         A_i =  r_i - mean_g                    (norm_by_std=False, Dr. GRPO)
@@ -222,8 +213,7 @@ def grpo_advantages(rewards, group_ids, norm_by_std=True, eps=1e-6):
 
 
 def hybrid_advantages(grpo_adv, teacher_token_logprobs, student_token_logprobs, lam):
-    """
-    lambda-hybrid per-token advantage (paper section 4.5):
+    """lambda-hybrid per-token advantage (paper section 4.5):
 
         A_t = lam * A_GRPO + (1 - lam) * (T_tok - S_tok)
 
@@ -249,8 +239,7 @@ def _clipped_surrogate(ratio, advantages, eps_low, eps_high):
 
 
 def ppo_clip_loss(logprobs, old_logprobs, advantages, eps_low=0.2, eps_high=0.2):
-    """
-    PPO clipped surrogate per token (GRPO/DAPO):
+    """PPO clipped surrogate per token (GRPO/DAPO):
 
         ratio_t = exp(logp_t - old_t)             (log ratio clamped to +-20)
         loss_t  = max(-A_t ratio_t, -A_t clip(ratio_t, 1-eps_low, 1+eps_high))
@@ -265,8 +254,7 @@ def ppo_clip_loss(logprobs, old_logprobs, advantages, eps_low=0.2, eps_high=0.2)
 
 
 def gspo_loss(logprobs, old_logprobs, advantages, mask, eps_low=3e-4, eps_high=4e-4):
-    """
-    GSPO sequence-level clipped surrogate in token form:
+    """GSPO sequence-level clipped surrogate in token form:
 
         s_i     = exp(mean_t (logp_t - old_t))       masked mean over sequence i
         ratio_t = exp(logp_t - sg(logp_t) + sg(log s_i))   (value s_i, grad s_i * grad logp_t)
@@ -287,8 +275,7 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, eps_low=3e-4, eps_high=4
 
 
 def kl_estimate(logprobs, ref_logprobs, kind="k3"):
-    """
-    Per-token KL(pi || ref) estimate from sampled tokens, d = logp - ref:
+    """Per-token KL(pi || ref) estimate from sampled tokens, d = logp - ref:
 
         k1   d
         abs  |d|
@@ -327,8 +314,7 @@ def kl_estimate(logprobs, ref_logprobs, kind="k3"):
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen=None, ref_rejected=None, beta=0.1, kind="sigmoid",
              label_smoothing=0.0, reference_free=False):
-    """
-    DPO family per pair. Inputs [P]: summed response log-probs of the
+    """DPO family per pair. Inputs [P]: summed response log-probs of the
     chosen / rejected responses under the policy and the reference.
 
         logits = (pi_c - pi_r) - (ref_c - ref_r)        (ref term dropped if reference_free)
@@ -368,8 +354,7 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen=None, ref_rejected=None,
 
 
 def discriminator_loss(teacher_scores, student_scores):
-    """
-    GAD discriminator Bradley-Terry loss, each teacher response paired
+    """GAD discriminator Bradley-Terry loss, each teacher response paired
     with every student sample of its prompt:
 
         loss = mean_{p, j} -logsigmoid(D_teacher[p] - D_student[p, j])
@@ -391,8 +376,7 @@ def discriminator_loss(teacher_scores, student_scores):
 
 
 def global_counts(mask):
-    """
-    mask [B, L] -> (num_tokens, num_sequences) as 0-dim float tensors: the number of
+    """mask [B, L] -> (num_tokens, num_sequences) as 0-dim float tensors: the number of
     masked tokens and of sequences with at least one masked token. Sum (all-reduce)
     these over all micro-batches and ranks of an optimizer step and pass them to
     aggregate as global_tokens / global_sequences.
@@ -402,8 +386,7 @@ def global_counts(mask):
 
 
 def aggregate(per_token_loss, mask, mode, global_tokens=None, global_sequences=None, max_len=None):
-    """
-    Reduce a per-token loss [B, L] under a 0/1 mask [B, L] to a scalar:
+    """Reduce a per-token loss [B, L] under a 0/1 mask [B, L] to a scalar:
 
         token-mean               sum(loss * mask) / num_tokens
         seq-mean-token-sum       sum_i (sum_t loss_it mask_it) / num_sequences
