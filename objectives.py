@@ -199,8 +199,7 @@ def sdpo_loss(mb: MicroBatch, models: Models, cfg):
     loss, current, entropy, teacher_lp, teacher_entropy = forward(models.policy, mb.packed,
                                                                   sdpo_head(mb, models, cfg, teacher_hidden))
     old = old_or_current(mb, current)
-    mask = mb.matrix(torch.cat([torch.full((len(r.response_ids),), r.sdpo_mask, device=mb.device)
-                                for r in mb.rollouts]))
+    mask = mb.per_sequence(lambda r: r.sdpo_mask)[:, None] * mb.response_mask
     is_clip = losses.importance_weights(mb.matrix(current), mb.matrix(old), cfg.sdpo.is_clip)
     per_token = mb.matrix(loss) * is_clip * engine_correction(mb, old, cfg)
     divergence = mb.matrix(loss).detach()

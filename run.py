@@ -246,10 +246,9 @@ def learn(cfg: Config, objective, trainer: Trainer, engine, tokenizer, rollouts:
 
 def test_time_self_distillation(cfg: Config, objective, model_dir: str, engine, tokenizer, rows: list, logger,
                                 d: Dist) -> dict:
-    """Paper section 5: repeated SDPO steps on one hard question alone, against best-of-k
-    (docs/loop.md). Each question logs the generations until its first success (-1: none
-    within k = train.steps * rollout.n); the summary is discovery@k, the fraction of
-    questions solved within k generations, for k = n, 2n, ..., train.steps * n."""
+    """Paper section 5 (docs/loop.md, Test-time self-distillation): SDPO steps on one hard
+    question alone against best-of-k; logs each question's generations until its first success
+    (-1: none) and discovery@k, the fraction solved within k = n, 2n, ..., train.steps * n."""
     n, steps, k = cfg.rollout.n, cfg.train.steps, cfg.rollout.eval_k
     first_success = lambda rollouts: next((i + 1 for i, r in enumerate(rollouts)
                                            if r.reward >= cfg.sdpo.success_threshold), None)
