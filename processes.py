@@ -195,13 +195,12 @@ def share_cores(cfg: Config, engine, models):
             module.register_forward_pre_hook(switch)
 
 
-def engine_env(placement: str, own_process: bool, engine_gpu: int | None, cpu_cores: list[int] | None,
-               world_size: int) -> tuple[dict, list[int] | None]:
+def engine_env(placement: str, own_process: bool, cpu_cores: list[int] | None, world_size: int) -> tuple:
     """(the environment the engine starts in, the cores its processes keep to on CPU or None)."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if own_process else "0"}
     if placement == "separate" and torch.cuda.is_available():
         # The engine takes the GPU after the trainers' (trainers on 0..N-1 of this node).
-        gpu = engine_gpu if engine_gpu is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        gpu = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
     bound = None  # the cores the engine's processes keep to, on CPU

@@ -1,11 +1,10 @@
 """The vLLM rollout engine: start, generation with per-token log-probs, scoring, verified weight loads.
 
 Rank 0 owns the engine: `colocated` on the trainers' device, or `separate` on the GPU after
-theirs; its core runs in its own process (torchrun's variables hidden from it) except for a
-single process on a GPU (its processes' environment, CPU cores and reaper: processes.py). Every weight sync is proven: the engine scores a fixed probe
-sequence (with a picture for a vision-language model) and must match the trainer's log-probs
-of it (docs/sync.md). Image prompts are token ids with one image token per picture; a
-Sample's prompt_ids are the engine's expanded ids (image_prompts.ImagePrompts).
+theirs; its core runs in its own process except for a single process on a GPU (processes.py).
+Every weight sync is proven by a probe the engine and the trainer both score (docs/sync.md).
+Image prompts are token ids with one image token per picture; a Sample's prompt_ids are the
+engine's expanded ids (image_prompts.ImagePrompts).
 """
 import contextlib
 import json
@@ -133,9 +132,8 @@ class Engine:
 
     def __init__(self, model_dir: str, placement: str = "colocated", dtype: str = "auto",
                  gpu_memory_utilization: float = 0.3, max_model_len: int = 2048, seed: int = 0,
-                 own_process: bool | None = None, engine_gpu: int | None = None, rpc_timeout_s: float = 600.0,
-                 enforce_eager: bool = True, kv_cache_tokens: int = 0, cpu_cores: list[int] | None = None,
-                 sync_addr: str = ""):
+                 own_process: bool | None = None, rpc_timeout_s: float = 600.0, kv_cache_tokens: int = 0,
+                 cpu_cores: list[int] | None = None, sync_addr: str = ""):
         quiet_vllm_logging()
         from vllm import LLM
         if placement not in ("colocated", "separate"):
@@ -148,7 +146,7 @@ class Engine:
         if not own_process and world_size > 1:
             raise ValueError("an in-process engine under torchrun with several ranks hangs at start-up; "
                              "use own_process=True")
-        env, bound = engine_env(placement, own_process, engine_gpu, cpu_cores, world_size)
+        env, bound = engine_env(placement, own_process, cpu_cores, world_size)
         self.model_dir = model_dir
         self.own_process = own_process
         self.rpc_timeout_s = rpc_timeout_s
@@ -172,7 +170,7 @@ class Engine:
             resource_tracker.ensure_running()
             self.llm = LLM(
                 model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=True,
                 # Log-probs after temperature: the ones the sampler actually drew from, which
                 # the trainer reproduces by dividing its logits by the same temperature.
                 logprobs_mode="processed_logprobs", enable_prefix_caching=True,
