@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import losses
-from distributed import full_tensor, reshard
+from distributed import from_every_rank, full_tensor, reshard
 
 
 class Discriminator(torch.nn.Module):
@@ -123,11 +123,8 @@ class Critic:
                 continue
             loss_sum = self.pair_losses({g: groups[g] for g in part}, pad_id, d.device, sums, local)
             (loss_sum / max(pairs, 1) * d.world).backward()  # FSDP2 averages gradients over ranks
+        local = {g: scores for part in from_every_rank(local, d.world) for g, scores in part.items()}
         if d.world > 1:
-            gathered = [None] * d.world
-            dist.all_gather_object(gathered, local)
-            for g in gathered:
-                local.update(g)
             dist.all_reduce(sums)
         grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)))
         if math.isfinite(grad_norm):

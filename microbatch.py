@@ -10,12 +10,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 import chunked_head
 import losses
 import packing
-from distributed import Dist
+from distributed import Dist, from_every_rank
 # ----------------------------------------------------------------------------------------
 # What the loss functions get
 
@@ -149,12 +148,8 @@ def response_logprobs(model, rollouts: list, pad_id: int, d: Dist, micro_batch: 
                 h, w, packed.targets, temperature)[0])
             for j, values in zip(part, logprobs.split([len(rollouts[j].response_ids) for j in part])):
                 local[j] = values.tolist()
-    if d.world > 1:
-        gathered = [None] * d.world
-        dist.all_gather_object(gathered, local)
-        for g in gathered:
-            local.update(g)
-    return [local[i] for i in range(len(rollouts))]
+    every = {i: values for part in from_every_rank(local, d.world) for i, values in part.items()}
+    return [every[i] for i in range(len(rollouts))]
 
 
 def idle_forward(model, pad_id: int, device, head, shared_prefix: bool = False, grouped: bool = False):

@@ -13,7 +13,7 @@ import microbatch
 import objectives
 from config import Config
 from data import stream_seed
-from distributed import Dist, full_tensor
+from distributed import Dist, from_every_rank, full_tensor
 from microbatch import Models
 from policy import CausalLM, Trainer
 
@@ -204,11 +204,8 @@ def reduce_stats(stats: dict, step_losses: list, world: int) -> dict:
     for *_max), and the loss averaged over the optimizer steps taken. A statistic no token
     or sample counted towards (e.g. the teacher gap of right answers in a step without one)
     is left out, not logged as 0."""
-    names = sorted(stats)
-    if world > 1:  # a rank without micro-batches has no statistics: agree on the names first
-        gathered = [None] * world
-        dist.all_gather_object(gathered, names)
-        names = sorted(set().union(*gathered))
+    # a rank without micro-batches has no statistics: agree on the names first
+    names = sorted(set().union(*from_every_rank(sorted(stats), world)))
     sums = torch.tensor([stats.get(n, (0.0, 0.0))[0] for n in names] + [sum(step_losses)], dtype=torch.float64)
     counts = torch.tensor([stats.get(n, (0.0, 0.0))[1] for n in names], dtype=torch.float64)
     maxima = torch.tensor([stats.get(n, (0.0, 0.0))[0] if n.endswith("_max") else 0.0 for n in names],
