@@ -147,9 +147,7 @@ class Engine:
             raise ValueError("an in-process engine under torchrun with several ranks hangs at start-up; "
                              "use own_process=True")
         env, bound = engine_env(placement, own_process, cpu_cores, world_size)
-        self.model_dir = model_dir
-        self.own_process = own_process
-        self.rpc_timeout_s = rpc_timeout_s
+        self.model_dir, self.own_process, self.rpc_timeout_s = model_dir, own_process, rpc_timeout_s
         self.weights_version = 0  # the checkpoint's weights
         self._background = None  # the job started by in_background, until someone waits for it
         self._idle_since = None  # when the last generation ended
@@ -175,9 +173,7 @@ class Engine:
                 # the trainer reproduces by dividing its logits by the same temperature.
                 logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                 use_tqdm_on_load=False,  # its bar at every weight sync would break the run's own
-                worker_extension_cls="sync.WeightReceiver",
-                **engine_args,
-            )
+                worker_extension_cls="sync.WeightReceiver", **engine_args)
         self.start_seconds = time.perf_counter() - t0
         # The engine core and its workers: watched during every call (see _call), and ended by a
         # reaper process when this one ends without closing the engine (processes.supervise).

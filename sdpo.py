@@ -1,5 +1,4 @@
-"""
-SDPO teacher contexts: which sibling demonstrates for whom, and the teacher's input ids.
+"""SDPO teacher contexts: which sibling demonstrates for whom, and the teacher's input ids.
 
 For every rollout the teacher (the same network, an EMA or trust-region copy) scores the
 student's *exact* response ids under a richer prompt: the original question plus a
