@@ -7,6 +7,7 @@ Image prompts are token ids with one image token per picture; a Sample's prompt_
 engine's expanded ids (image_prompts.ImagePrompts).
 """
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -329,22 +330,18 @@ class Engine:
         receiving = Background(lambda: self.llm.collective_rpc(
             "receive_weights", timeout=self.rpc_timeout_s, args=(stream.plan(), str(stream.dtype).split(".")[-1])),
             name="vLLM weight sync")
-        for bucket in stream.buckets():
+        for bucket in itertools.chain(stream.buckets(), [None]):  # None: after the last bucket
             if error is not None:
                 continue
             try:
                 if sending is not None:
                     self._wait("weight sync", sending, receiving)
-                sending = Background(lambda b=bucket: group.broadcast(b, 0).wait(), name="weight sync send")
+                if bucket is None:
+                    self._wait("weight sync", receiving)
+                else:
+                    sending = Background(lambda b=bucket: group.broadcast(b, 0).wait(), name="weight sync send")
             except EngineError as e:
                 error = e
-        try:
-            if error is None:
-                if sending is not None:
-                    self._wait("weight sync", sending, receiving)
-                self._wait("weight sync", receiving)
-        except EngineError as e:
-            error = e
         if error is not None:
             self._weight_group = None  # in an unknown state
             raise error
