@@ -26,9 +26,7 @@ class Teacher:
             raise ValueError(f"unknown teacher {kind!r}; choose from {KINDS}")
         if kind != "live" and copy is None:
             raise ValueError(f"the {kind} teacher needs a copy of the initial policy")
-        if kind == "frozen":
-            rate = 0.0
-        self.kind, self.rate, self.copy = kind, rate, copy
+        self.kind, self.rate, self.copy = kind, 0.0 if kind == "frozen" else rate, copy
         if copy is not None:
             copy.requires_grad_(False)
             copy.eval()
