@@ -103,11 +103,9 @@ def prepare_hybrid(rollouts: list, tokenizer, cfg) -> dict:
 
 def teacher_hidden_states(cfg, models: Models, rollouts: list, pad_id: int, device, world: int) -> list:
     """Teacher hidden states [R, H'] at the response tokens of each rollout with a teacher
-    context (None for the others: their loss is masked out), teacher_micro_batch sequences
-    per forward, a shared teacher prompt run once per forward (--sdpo.share_teacher_prefix),
-    and the part a group's teacher prompts share (the question) once before their rests.
-    Every rank calls this at the same points, an idle one with no rollouts: ranks run as many
-    forwards as the busiest (FSDP2's collectives)."""
+    context (None for the others: their loss is masked out), teacher_micro_batch sequences per
+    forward, a group's shared teacher prompt run once (docs/loop.md, Memory). Every rank calls
+    this, an idle one with no rollouts: ranks run as many forwards as the busiest (FSDP2)."""
     used = [r for r in rollouts if r.sdpo_mask > 0]
     calls = torch.tensor([math.ceil(len(used) / cfg.sdpo.teacher_micro_batch)])
     if world > 1:  # ranks differ in how many of their samples have a teacher context

@@ -125,13 +125,9 @@ def restore(cfg: Config, resume: str, trainer: Trainer, engine, tokenizer, logge
 
 
 class Batches:
-    """The rollout batch of each step, in step order.
-
-    --train.off_policy_steps 0: each batch is generated when it is taken. 1: taking batch t
-    starts generating batch t+1 on rank 0 in the background (on a CPU, with a teacher of its
-    own weights: once the teacher's forward is done), with the weights the engine holds
-    (version t), while every rank learns from batch t: one update stale, which the engine
-    correction covers (docs/async.md).
+    """The rollout batch of each step, in step order: generated when taken, or with
+    --train.off_policy_steps 1 in the background on rank 0 while every rank learns from the
+    batch before it, one update stale (docs/async.md).
     """
 
     def __init__(self, cfg: Config, objective, engine, tokenizer, train_rows: list, d: Dist, ahead=None,
