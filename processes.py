@@ -1,10 +1,8 @@
 """The engine's processes: starting them quiet, placing them on CPU cores, ending them with the run.
 
-vLLM's engine core and workers run in processes of their own (rollout.Engine). This file holds
-what a reader of the engine's calls need not read: the environment they start in (torchrun's
-variables hidden, vLLM's logging and harmless warnings quieted, the plugins made importable),
-the cores they compute on and the trainer's threads beside them (cpu_split, share_cores, thread
-pinning), and the reaper that ends them when the trainer dies without closing the engine.
+vLLM's engine core and workers (rollout.Engine) start with torchrun's variables hidden and the
+plugins importable; the trainer's threads keep beside their cores (cpu_split, share_cores,
+pin_threads); a reaper ends them when the trainer dies without closing the engine.
 """
 from __future__ import annotations
 
