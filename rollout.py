@@ -339,7 +339,8 @@ class Engine:
                 if bucket is None:
                     self._wait("weight sync", receiving)
                 else:
-                    sending = Background(lambda b=bucket: group.broadcast(b, 0).wait(), name="weight sync send")
+                    sending = Background(lambda b=bucket: group.broadcast(b, 0).wait(),
+                                         name="weight sync send")
             except EngineError as e:
                 error = e
         if error is not None:
