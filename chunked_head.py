@@ -23,8 +23,7 @@ from losses import support_logprobs, sdpo_divergence
 
 
 def _logits_into(buffer, hidden, weight, temperature, low_precision_buffer, shift=None):
-    """
-    buffer[:n] <- hidden [n, H] @ weight [V, H]^T / temperature (- shift [n, 1]), in
+    """buffer[:n] <- hidden [n, H] @ weight [V, H]^T / temperature (- shift [n, 1]), in
     float32 or float64. The shift is folded into the matmul where the dtype allows.
     """
     n = hidden.shape[0]
@@ -42,8 +41,7 @@ def _logits_into(buffer, hidden, weight, temperature, low_precision_buffer, shif
 
 
 def _exp_shifted_(logits, row_max=None):
-    """
-    In place: logits [n, V] <- exp(logits - rowmax). Returns (logsumexp [n, 1], row sums
+    """In place: logits [n, V] <- exp(logits - rowmax). Returns (logsumexp [n, 1], row sums
     [n, 1]); softmax = logits / row sums afterwards.
     """
     row_max = logits.amax(-1, keepdim=True) if row_max is None else row_max
@@ -53,8 +51,7 @@ def _exp_shifted_(logits, row_max=None):
 
 
 def _support_grads(student_top, student_lse, teacher_support, alpha, add_tail, grad_losses):
-    """
-    Divergence on one chunk's small supports, and the gradient of sum(grad_losses * loss)
+    """Divergence on one chunk's small supports, and the gradient of sum(grad_losses * loss)
     w.r.t. the student's top-K logits [n, K] and full logsumexp [n, 1].
     Returns (loss [n], grad_top [n, K], grad_lse [n, 1]).
     """
@@ -67,8 +64,7 @@ def _support_grads(student_top, student_lse, teacher_support, alpha, add_tail, g
 
 
 def _backprop_chunk(softmax_scaled, ids, grad_top, temperature, rows, hidden, weight, grads, low_precision_buffer):
-    """
-    Chain one chunk's support gradients to the inputs. softmax_scaled [n, V] holds
+    """Chain one chunk's support gradients to the inputs. softmax_scaled [n, V] holds
     softmax(z) * grad_lse already (the logsumexp's gradient), the top-K ids add grad_top,
     and z = raw / temperature scales all by 1/temperature. Then through
     logits = hidden @ weight^T: grad_hidden[rows] = G @ W, grad_weight += G^T @ hidden.
@@ -90,8 +86,7 @@ def _backprop_chunk(softmax_scaled, ids, grad_top, temperature, rows, hidden, we
 
 
 class _TopKDistillFromHidden(torch.autograd.Function):
-    """
-    Chunked top-K SDPO loss; see sdpo_topk_loss_from_hidden.
+    """Chunked top-K SDPO loss; see sdpo_topk_loss_from_hidden.
 
     Per-token mode (token_weights is None): forward keeps only the top-K ids and logits
     [N, K], the student's logsumexp [N, 1] and the teacher's support log-probs [N, K(+1)];
@@ -121,13 +116,11 @@ class _TopKDistillFromHidden(torch.autograd.Function):
 
         for start in range(0, num_tokens, chunk_size):
             rows = slice(start, min(start + chunk_size, num_tokens))
-            student_logits = _logits_into(
-                student_buffer, student_hidden[rows], student_weight, temperature, low_precision_buffer
-            )
+            student_logits = _logits_into(student_buffer, student_hidden[rows], student_weight, temperature,
+                                          low_precision_buffer)
             student_top, ids = student_logits.topk(k, dim=-1)
-            teacher_logits = _logits_into(
-                teacher_buffer, teacher_hidden[rows], teacher_weight, temperature, low_precision_buffer
-            )
+            teacher_logits = _logits_into(teacher_buffer, teacher_hidden[rows], teacher_weight, temperature,
+                                          low_precision_buffer)
             if teacher_mix:  # trust-region teacher: lerp(ref, student, r), student side detached
                 teacher_logits.lerp_(student_logits, teacher_mix)
             teacher_top = teacher_logits.gather(-1, ids)
@@ -139,9 +132,9 @@ class _TopKDistillFromHidden(torch.autograd.Function):
                 topk_ids[rows], student_tops[rows], student_lses[rows] = ids, student_top, student_lse
                 teacher_supports[rows] = teacher_support
                 continue
-            losses[rows], grad_top, grad_lse = _support_grads(
-                student_top, student_lse, teacher_support, alpha, add_tail, token_weights[rows].to(work_dtype)
-            )
+            weights = token_weights[rows].to(work_dtype)
+            losses[rows], grad_top, grad_lse = _support_grads(student_top, student_lse, teacher_support, alpha,
+                                                              add_tail, weights)
             softmax_scaled = student_logits.mul_(grad_lse / student_row_sum)
             _backprop_chunk(softmax_scaled, ids, grad_top, temperature, rows, student_hidden, student_weight, grads,
                             low_precision_buffer)
@@ -165,35 +158,25 @@ class _TopKDistillFromHidden(torch.autograd.Function):
             if ctx.backward_done:
                 raise RuntimeError("weighted sdpo_topk_loss_from_hidden supports a single backward")
             ctx.backward_done = True
-            grad_hidden, grad_weight = ctx.saved_tensors
-            grad_hidden = None if grad_hidden is None else grad_hidden.mul_(grad_output)
-            grad_weight = None if grad_weight is None else grad_weight.mul_(grad_output)
-        else:
-            grad_hidden, grad_weight = _backward_by_vocab_blocks(ctx, grad_output)
-        hidden_dtype, weight_dtype = ctx.input_dtypes
-        grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden_dtype)
-        grad_weight = None if grad_weight is None else grad_weight.to(weight_dtype)
-        return (grad_hidden, grad_weight) + (None,) * 9
+            grad_hidden, grad_weight = (None if g is None else g.mul_(grad_output) for g in ctx.saved_tensors)
+        else:  # the divergence's gradients w.r.t. the top-K logits and logsumexp, chained to the inputs
+            hidden, weight, topk_ids, student_tops, student_lses, teacher_supports = ctx.saved_tensors
+            _, grad_top, grad_lse = _support_grads(student_tops, student_lses, teacher_supports, alpha,
+                                                   add_tail, grad_output.to(teacher_supports.dtype))
+            grad_hidden, grad_weight = _head_grads_by_vocab_blocks(
+                hidden, weight, student_lses, grad_lse, topk_ids, grad_top, temperature, chunk_size,
+                *ctx.needs_input_grad[:2])
+        return _cast_grads(grad_hidden, grad_weight, ctx.input_dtypes) + (None,) * 9
 
 
-def _backward_by_vocab_blocks(ctx, grad_output):
-    """
-    Per-token mode backward: the divergence's gradients w.r.t. the student's top-K logits
-    and logsumexp, chained to the inputs by _head_grads_by_vocab_blocks.
-    """
-    k, alpha, add_tail, temperature, chunk_size, _ = ctx.config
-    student_hidden, student_weight, topk_ids, student_tops, student_lses, teacher_supports = ctx.saved_tensors
-    _, grad_top, grad_lse = _support_grads(
-        student_tops, student_lses, teacher_supports, alpha, add_tail, grad_output.to(teacher_supports.dtype)
-    )
-    return _head_grads_by_vocab_blocks(student_hidden, student_weight, student_lses, grad_lse, topk_ids, grad_top,
-                                       temperature, chunk_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+def _cast_grads(grad_hidden, grad_weight, dtypes) -> tuple:
+    """The gradients (None where not needed) in the inputs' dtypes."""
+    return tuple(None if g is None else g.to(dtype) for g, dtype in zip((grad_hidden, grad_weight), dtypes))
 
 
 def _head_grads_by_vocab_blocks(hidden, weight, lses, grad_lse, ids, grad_ids, temperature, chunk_size,
                                 need_hidden_grad, need_weight_grad):
-    """
-    Gradients through z = hidden [N, H] @ weight [V, H]^T / T of a loss whose gradient
+    """Gradients through z = hidden [N, H] @ weight [V, H]^T / T of a loss whose gradient
     w.r.t. the logits is known from per-row quantities: the row's logsumexp lses [N, 1]
     (of z) gets grad_lse [N, 1] and the entries ids [N, K] get grad_ids [N, K], so
         G[n, v] = (grad_lse[n] softmax(z_n)[v] + sum_j [ids[n, j] == v] grad_ids[n, j]) / T,
@@ -229,9 +212,8 @@ def _head_grads_by_vocab_blocks(hidden, weight, lses, grad_lse, ids, grad_ids, t
         logprobs = _logits_into(buffer, hidden, weight_block, temperature, low_buffer, shift=lses)
         grad_logits = logprobs.exp_().mul_(grad_lse)
         entries = slice(edges[i], edges[i + 1])
-        grad_logits.index_put_(
-            (sorted_rows[entries], sorted_ids[entries] - start), sorted_grads[entries], accumulate=True
-        )
+        grad_logits.index_put_((sorted_rows[entries], sorted_ids[entries] - start), sorted_grads[entries],
+                               accumulate=True)
         if low_buffer is not None:
             grad_logits = low_buffer.copy_(grad_logits)
         if grad_hidden is not None:
@@ -266,32 +248,24 @@ def _new_grads(ctx, student_hidden, student_weight, work_dtype):
 def sdpo_topk_loss_from_hidden(student_hidden, student_lm_head_weight, teacher_hidden, teacher_lm_head_weight=None,
                                k=100, alpha=0.5, add_tail=True, temperature=1.0, chunk_size=512, teacher_mix=0.0,
                                token_weights=None):
-    """
-    Top-K SDPO divergence computed from hidden states without materialising [N, V]
-    logits. Equals, in value and gradient,
+    """Top-K SDPO divergence computed from hidden states without materialising [N, V] logits.
+    Equals, in value and gradient,
 
         S, T, _ = topk_with_tail(student_hidden @ W_s^T, teacher_hidden @ W_t^T, k, add_tail, temperature)
         sdpo_divergence(S, T, alpha)                                       # [N]
 
-    student_hidden [N, H]: final hidden states at the response positions (select them
-    first, e.g. hidden[mask.bool()], so padding costs nothing); student_lm_head_weight
-    W_s [V, H]; teacher_hidden [N, H] and teacher_lm_head_weight W_t [V, H] (an EMA
-    teacher has its own head; None = W_s). No bias term. teacher_mix = r mixes the
-    teacher logits with the student's own, at the same rows: lerp(teacher,
-    student.detach(), r). That is the paper's trust-region teacher only when the student's
-    logits there are those of the teacher context; objectives.py instead passes the exact
-    trust-region teacher as concatenated hidden states and heads (teacher.py). The
-    teacher side never gets a gradient. Logits are computed chunk_size rows at a time in
-    float32 (float64 for float64 inputs); bf16/fp16 inputs get bf16/fp16 matmuls.
+    student_hidden [N, H]: final hidden states at the response positions only; W_s [V, H];
+    teacher_hidden [N, H] and W_t [V, H] (None = W_s); no bias term. teacher_mix = r: teacher
+    logits lerp(teacher, student.detach(), r) at the same rows (the exact trust-region teacher
+    is passed as concatenated hidden states and heads instead, teacher.py). The teacher side
+    never gets a gradient. Logits are float32 (float64 for float64 inputs); bf16/fp16 inputs
+    get bf16/fp16 matmuls.
 
-    Returns per-token losses [N] (in float32/float64) whose backward accepts any
-    grad_output [N], so the caller may multiply by mask x IS weight / global count and
-    sum. Backward then re-runs the student head in blocks of vocab columns (one extra
-    N*V*H matmul, so about 5/4 of the plain path's matmul work).
-    When token_weights [N] (detached) is given, returns the scalar
-    sum_n token_weights[n] * loss[n] instead, with the gradients built during forward:
-    no recomputation, but the [V, H] weight gradient is held from forward to backward,
-    and only one backward is allowed. Memory and chunk sizes: docs/loop.md.
+    Returns per-token losses [N] whose backward accepts any grad_output [N] and re-runs the
+    student head in blocks of vocab columns (one extra N*V*H matmul). With token_weights [N]
+    (detached): the scalar sum_n token_weights[n] * loss[n], its gradients built in forward (no
+    recomputation, but the [V, H] weight gradient held until backward; one backward only).
+    Memory and chunk sizes: docs/loop.md, Memory.
     """
     if teacher_lm_head_weight is None:
         teacher_lm_head_weight = student_lm_head_weight
@@ -307,8 +281,7 @@ def sdpo_topk_loss_from_hidden(student_hidden, student_lm_head_weight, teacher_h
 
 
 class _TokenLogprobsFromHidden(torch.autograd.Function):
-    """
-    Chunked token log-probs and entropies; see token_logprobs_from_hidden. Forward keeps
+    """Chunked token log-probs and entropies; see token_logprobs_from_hidden. Forward keeps
     only each row's logsumexp [N, 1]; backward re-runs the head in vocab blocks.
     """
 
@@ -331,39 +304,33 @@ class _TokenLogprobsFromHidden(torch.autograd.Function):
                                ).squeeze(-1)
         ctx.mark_non_differentiable(entropies)
         ctx.save_for_backward(hidden, weight, targets, lses)
-        ctx.config = (temperature, chunk_size, hidden.dtype, weight.dtype)
+        ctx.config, ctx.input_dtypes = (temperature, chunk_size), (hidden.dtype, weight.dtype)
         return logprobs, entropies
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs, grad_entropies):
         hidden, weight, targets, lses = ctx.saved_tensors
-        temperature, chunk_size, hidden_dtype, weight_dtype = ctx.config
+        temperature, chunk_size = ctx.config
         grad = grad_logprobs.to(lses.dtype)[:, None]
         # d log p_t / dz = onehot(t) - softmax(z): the logsumexp gets -grad, the target +grad
-        grad_hidden, grad_weight = _head_grads_by_vocab_blocks(
-            hidden, weight, lses, -grad, targets[:, None], grad, temperature, chunk_size,
-            ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden_dtype)
-        grad_weight = None if grad_weight is None else grad_weight.to(weight_dtype)
-        return grad_hidden, grad_weight, None, None, None
+        grads = _head_grads_by_vocab_blocks(hidden, weight, lses, -grad, targets[:, None], grad, temperature,
+                                            chunk_size, *ctx.needs_input_grad[:2])
+        return _cast_grads(*grads, ctx.input_dtypes) + (None,) * 3
 
 
 def token_logprobs_from_hidden(hidden, weight, targets, temperature=1.0, chunk_size=512):
-    """
-    Token log-probs with a gradient, and entropies without, from final hidden states,
-    never materialising [N, V] logits. Equals, in value and gradient,
+    """Token log-probs with a gradient, and entropies without, from final hidden states, never
+    materialising [N, V] logits. Equals, in value and gradient,
 
         logits = (hidden @ weight.T).float()
         token_logprobs(logits, targets, temperature), entropy_from_logits(logits.detach(), temperature)
 
     hidden [N, H] (the response positions only), weight [V, H] (the LM head, no bias),
     targets [N] int64 -> (logprobs [N], entropy [N]) in float32 (float64 for float64
-    inputs); bf16/fp16 inputs get bf16/fp16 matmuls. Forward computes chunk_size rows of
-    logits at a time in one reused buffer and keeps only each row's logsumexp; backward
-    accepts any grad_output [N] and re-runs the head in blocks of vocab columns (one
-    extra N*V*H matmul: 4/3 of the plain path's head matmuls). The plain path keeps the
-    float32 [N, V] logits and their gradient; this keeps two [chunk_size, V] buffers.
+    inputs); bf16/fp16 inputs get bf16/fp16 matmuls. Forward keeps only each row's
+    logsumexp; backward accepts any grad_output [N] and re-runs the head in blocks of vocab
+    columns (one extra N*V*H matmul; docs/loop.md, Memory).
     """
     if chunk_size < 1:
         raise ValueError(f"token_logprobs_from_hidden: chunk_size must be >= 1, got {chunk_size} "
@@ -373,8 +340,7 @@ def token_logprobs_from_hidden(hidden, weight, targets, temperature=1.0, chunk_s
 
 @torch.no_grad()
 def logprobs_and_entropy_from_hidden(hidden, weight, targets, temperature=1.0, chunk=1024):
-    """
-    Token log-probs and entropies without a gradient, from final hidden states, chunk by
+    """Token log-probs and entropies without a gradient, from final hidden states, chunk by
     chunk so that at most [chunk, V] logits exist at once:
 
         logits = hidden @ weight.T;  (token_logprobs(logits, targets), entropy_from_logits(logits))

@@ -1,12 +1,9 @@
 """GAD's discriminator (the GAD paper, arXiv 2511.10643): a copy of the student's backbone with a scalar head.
 
-D(prompt, response) = w · h + b, where h is the backbone's final hidden state at the sequence's
-last real token (its EOS for a finished response; --gad.pool last) or the mean of those of the
-response's tokens (--gad.pool mean); its own AdamW and gradient clip,
-FSDP2-sharded like the policy, no dropout (the score a reward is read from is the score the loss
-trains). Each step: the Bradley–Terry loss −logσ(D(teacher) − D(student)) over every teacher/
-student pair of a prompt, normalised by the step's global pair count; the scores of that
-forward, from the weights *before* the update, are the student's rewards (docs/gad.md).
+D(prompt, response) = w · h + b, h the backbone's final hidden state at the sequence's last real
+token (--gad.pool last) or the mean of the response's (--gad.pool mean); no dropout, so that the
+score a reward is read from is the score the loss trains. Its Bradley–Terry step and how its
+pre-update scores become the student's rewards: docs/gad.md.
 """
 import math
 from dataclasses import dataclass
@@ -15,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import losses
-from distributed import full_tensor, reshard
+from distributed import from_every_rank, full_tensor, reshard
 
 
 class Discriminator(torch.nn.Module):
@@ -97,11 +94,8 @@ class Critic:
 
         Every rank takes a share of the groups (FSDP2: as many forwards each); the loss of a
         micro-batch is its pairs' summed −logσ(D_t − D_s) over the step's global pair count.
-        Returns the pre-update scores of every sequence (teacher first, then its students,
-        group by group) on every rank, and d_loss, d_acc (the teacher scored above the student, over
-        the pairs whose texts differ: the scores are those before this step's update, so on a prompt
-        the discriminator has not trained on it is a held-out accuracy), identical_frac (pairs whose
-        texts are the same), the mean scores and the grad norm.
+        Returns the pre-update scores of every sequence (teacher first, then its students, group
+        by group) on every rank, and the gad/ metrics of docs/gad.md (d_acc: held out).
         """
         update = self.optimizer_step(groups, pad_id, d, micro_batch)
         for _ in range(repeats - 1):
@@ -129,11 +123,8 @@ class Critic:
                 continue
             loss_sum = self.pair_losses({g: groups[g] for g in part}, pad_id, d.device, sums, local)
             (loss_sum / max(pairs, 1) * d.world).backward()  # FSDP2 averages gradients over ranks
+        local = {g: scores for part in from_every_rank(local, d.world) for g, scores in part.items()}
         if d.world > 1:
-            gathered = [None] * d.world
-            dist.all_gather_object(gathered, local)
-            for g in gathered:
-                local.update(g)
             dist.all_reduce(sums)
         grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)))
         if math.isfinite(grad_norm):
@@ -188,10 +179,7 @@ def start_positions(starts: list[int] | None, seqs: list, device) -> torch.Tenso
 
 def right_pad(seqs: list[list[int]], pad_id: int, device):
     """Right-padded input ids and attention mask [B, L] on device."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, :len(s)] = 1
+    pad = torch.nn.utils.rnn.pad_sequence
+    ids = pad([torch.tensor(s, dtype=torch.long) for s in seqs], batch_first=True, padding_value=pad_id)
+    mask = pad([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True)
     return ids.to(device), mask.to(device)

@@ -86,6 +86,15 @@ def rank0_call(d: Dist, fn, share: bool = True):
     return result
 
 
+def from_every_rank(value, world: int) -> list:
+    """Every rank's value, in rank order (all_gather_object: every rank calls it)."""
+    if world == 1:
+        return [value]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """This rank's shard of an FSDP2 (DTensor) parameter, or the tensor itself."""
     return p.to_local() if hasattr(p, "to_local") else p

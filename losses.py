@@ -1,5 +1,4 @@
-"""
-The formulas: the losses of SDPO, GRPO, GSPO, DPO and GAD as pure functions of tensors.
+"""The formulas: the losses of SDPO, GRPO, GSPO, DPO and GAD as pure functions of tensors.
 
 Each docstring states its formula; docs/loop.md gathers them with the papers they come from
 (SDPO: arXiv 2601.20802, its section 4.5 for the lambda-hybrid; GSPO: arXiv 2507.18071; GAD:
@@ -29,8 +28,7 @@ DPO_KINDS = ("sigmoid", "ipo", "hinge", "robust")
 
 
 def token_logprobs(logits, token_ids, temperature=1.0):
-    """
-    Log-probability of the given tokens: log_softmax(logits / temperature)[token_ids].
+    """Log-probability of the given tokens: log_softmax(logits / temperature)[token_ids].
 
     logits [..., V], token_ids [...] (int64) -> [...] in the logits' dtype.
     Written as gather minus logsumexp so that no second [..., V] log-softmax tensor is
@@ -43,8 +41,7 @@ def token_logprobs(logits, token_ids, temperature=1.0):
 
 
 def entropy_from_logits(logits, temperature=1.0):
-    """
-    Entropy of softmax(logits / temperature) per position: H = -sum_v p_v log p_v.
+    """Entropy of softmax(logits / temperature) per position: H = -sum_v p_v log p_v.
 
     logits [..., V] -> [...]. Entries with logit -inf (p = 0) contribute exactly 0.
     """
@@ -70,8 +67,7 @@ def _kl_from_logprobs(logp, logq):
 
 
 def sdpo_divergence(student_logprobs, teacher_logprobs, alpha):
-    """
-    Per-position divergence between student S and teacher T over a support (last dim).
+    """Per-position divergence between student S and teacher T over a support (last dim).
 
         alpha = 0      forward KL   KL(T||S) = sum_s e^T (T - S)
         alpha = 1      reverse KL   KL(S||T) = sum_s e^S (S - T)
@@ -102,8 +98,7 @@ def sdpo_divergence(student_logprobs, teacher_logprobs, alpha):
 
 
 def support_logprobs(top_logits, full_logsumexp, add_tail):
-    """
-    Top-K logits [..., K] and the full-vocab logsumexp [..., 1] -> support log-probs.
+    """Top-K logits [..., K] and the full-vocab logsumexp [..., 1] -> support log-probs.
 
     With add_tail: [..., K+1], the last entry is log(1 - sum_k p_k) = log(-expm1(ls)),
     ls = logsumexp of the top-K log-probs clamped <= -1e-7 (so the tail stays finite
@@ -119,8 +114,7 @@ def support_logprobs(top_logits, full_logsumexp, add_tail):
 
 
 def topk_with_tail(student_logits, teacher_logits, k, add_tail=True, temperature=1.0):
-    """
-    Restrict student and teacher to the student's top-K ids per position.
+    """Restrict student and teacher to the student's top-K ids per position.
 
     student_logits, teacher_logits [..., V] (raw logits; divided by temperature here).
     Returns (student_support_logprobs, teacher_support_logprobs, topk_ids):
@@ -143,8 +137,7 @@ def topk_with_tail(student_logits, teacher_logits, k, add_tail=True, temperature
 
 
 def sdpo_token_loss(student_token_logprobs, teacher_token_logprobs):
-    """
-    Token-level SDPO (sampled token only, reverse KL only), per token [B, L]:
+    """Token-level SDPO (sampled token only, reverse KL only), per token [B, L]:
 
         loss_t = (S_tok - T_tok).detach() * S_tok
 
@@ -166,9 +159,12 @@ def _masked_sequence_mean(values, mask):
     return total / mask.sum(-1).clamp(min=1.0)
 
 
+def _broadcast_advantages(advantages, like):
+    return advantages.unsqueeze(-1) if advantages.dim() == like.dim() - 1 else advantages
+
+
 def importance_weights(logprobs, old_logprobs, cap, level="token", mask=None):
-    """
-    Truncated importance weights, always detached.
+    """Truncated importance weights, always detached.
 
         token:    w_t = min(exp(clamp(logp_t - old_t, -20, 20)), cap)          [B, L]
         sequence: w_i = min(exp(clamp(mean_t (logp_t - old_t), -20, 20)), cap)
@@ -176,28 +172,22 @@ def importance_weights(logprobs, old_logprobs, cap, level="token", mask=None):
 
     logprobs, old_logprobs [B, L]; mask [B, L] is required for level="sequence".
     For the SDPO IS clip pass (S_tok, old_tok); for rollout correction pass
-    (old_tok, rollout_tok).
-    Sequence level uses the *mean* log ratio (a known pitfall, "sequence ratios as means not
-    sums"): a sum grows with length, so long responses would sit at the cap or near 0
-    whatever their per-token mismatch.
+    (old_tok, rollout_tok). The mean, not the sum: a sum grows with length (docs/loop.md).
     A sequence with an empty mask gets weight 1. Masked positions are not zeroed here:
     multiply by the mask (or let aggregate do it).
     """
     log_ratio = (logprobs - old_logprobs).detach()
-    if level == "token":
-        pass
-    elif level == "sequence":
+    if level == "sequence":
         if mask is None:
             raise ValueError("level='sequence' needs mask")
         log_ratio = _masked_sequence_mean(log_ratio, mask).unsqueeze(-1).expand_as(logprobs)
-    else:
+    elif level != "token":
         raise ValueError(f"unknown level {level!r}")
     return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=cap)
 
 
 def grpo_advantages(rewards, group_ids, norm_by_std=True, eps=1e-6):
-    """
-    GRPO advantage per sample:
+    """GRPO advantage per sample:
 
         A_i = (r_i - mean_g) / (std_g + eps)   (unbiased std over the group g of i)
         A_i =  r_i - mean_g                    (norm_by_std=False, Dr. GRPO)
@@ -211,10 +201,7 @@ def grpo_advantages(rewards, group_ids, norm_by_std=True, eps=1e-6):
         index_of = {}
         group_ids = torch.tensor([index_of.setdefault(g, len(index_of)) for g in group_ids], dtype=torch.long)
     _, group_index = torch.unique(group_ids.to(rewards.device), return_inverse=True)
-    num_groups = int(group_index.max()) + 1 if group_index.numel() else 0
-    counts = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device).index_add_(
-        0, group_index, torch.ones_like(rewards)
-    )
+    counts = torch.bincount(group_index).to(rewards.dtype)
     sums = torch.zeros_like(counts).index_add_(0, group_index, rewards)
     centred = rewards - (sums / counts)[group_index]
     if not norm_by_std:
@@ -226,17 +213,14 @@ def grpo_advantages(rewards, group_ids, norm_by_std=True, eps=1e-6):
 
 
 def hybrid_advantages(grpo_adv, teacher_token_logprobs, student_token_logprobs, lam):
-    """
-    lambda-hybrid per-token advantage (paper section 4.5):
+    """lambda-hybrid per-token advantage (paper section 4.5):
 
         A_t = lam * A_GRPO + (1 - lam) * (T_tok - S_tok)
 
     grpo_adv [B] (or [B, L]), token log-probs [B, L] -> [B, L], detached.
     """
-    if grpo_adv.dim() == teacher_token_logprobs.dim() - 1:
-        grpo_adv = grpo_adv.unsqueeze(-1)
     sdpo_adv = teacher_token_logprobs - student_token_logprobs
-    return (lam * grpo_adv + (1.0 - lam) * sdpo_adv).detach()
+    return (lam * _broadcast_advantages(grpo_adv, sdpo_adv) + (1.0 - lam) * sdpo_adv).detach()
 
 
 # -----------------------------------------------------------------------------
@@ -245,6 +229,7 @@ def hybrid_advantages(grpo_adv, teacher_token_logprobs, student_token_logprobs, 
 
 def _clipped_surrogate(ratio, advantages, eps_low, eps_high):
     """max(-A r, -A clip(r, 1-eps_low, 1+eps_high)) and where the clip stops the gradient."""
+    advantages = _broadcast_advantages(advantages.detach(), ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss = torch.maximum(unclipped, clipped)
@@ -253,13 +238,8 @@ def _clipped_surrogate(ratio, advantages, eps_low, eps_high):
     return loss, is_clipped
 
 
-def _broadcast_advantages(advantages, like):
-    return advantages.unsqueeze(-1) if advantages.dim() == like.dim() - 1 else advantages
-
-
 def ppo_clip_loss(logprobs, old_logprobs, advantages, eps_low=0.2, eps_high=0.2):
-    """
-    PPO clipped surrogate per token (GRPO/DAPO):
+    """PPO clipped surrogate per token (GRPO/DAPO):
 
         ratio_t = exp(logp_t - old_t)             (log ratio clamped to +-20)
         loss_t  = max(-A_t ratio_t, -A_t clip(ratio_t, 1-eps_low, 1+eps_high))
@@ -269,14 +249,12 @@ def ppo_clip_loss(logprobs, old_logprobs, advantages, eps_low=0.2, eps_high=0.2)
     clipped branch is active, i.e. whose gradient is 0 (A>0 and ratio>1+eps_high, or
     A<0 and ratio<1-eps_low). clip fraction = aggregate(is_clipped.float(), mask, ...).
     """
-    advantages = _broadcast_advantages(advantages.detach(), logprobs)
     log_ratio = (logprobs - old_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return _clipped_surrogate(torch.exp(log_ratio), advantages, eps_low, eps_high)
 
 
 def gspo_loss(logprobs, old_logprobs, advantages, mask, eps_low=3e-4, eps_high=4e-4):
-    """
-    GSPO sequence-level clipped surrogate in token form:
+    """GSPO sequence-level clipped surrogate in token form:
 
         s_i     = exp(mean_t (logp_t - old_t))       masked mean over sequence i
         ratio_t = exp(logp_t - sg(logp_t) + sg(log s_i))   (value s_i, grad s_i * grad logp_t)
@@ -286,7 +264,6 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, eps_low=3e-4, eps_high=4
     is_clipped [B, L] bool) as in ppo_clip_loss. Aggregate with seq-mean-token-mean,
     which makes the gradient that of s_i times the sequence advantage.
     """
-    advantages = _broadcast_advantages(advantages.detach(), logprobs)
     seq_log_ratio = _masked_sequence_mean(logprobs.detach() - old_logprobs.detach(), mask)
     seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).unsqueeze(-1)
     ratio = torch.exp(logprobs - logprobs.detach() + seq_log_ratio)
@@ -298,8 +275,7 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, eps_low=3e-4, eps_high=4
 
 
 def kl_estimate(logprobs, ref_logprobs, kind="k3"):
-    """
-    Per-token KL(pi || ref) estimate from sampled tokens, d = logp - ref:
+    """Per-token KL(pi || ref) estimate from sampled tokens, d = logp - ref:
 
         k1   d
         abs  |d|
@@ -308,9 +284,8 @@ def kl_estimate(logprobs, ref_logprobs, kind="k3"):
         "<kind>+"  value of <kind>, gradient of k2: k2 + sg(value - k2)
 
     logprobs, ref_logprobs [...] -> [...]. The reference side is detached. k3 is >= 0.
-    The "+" forms use k2's gradient, d * grad logp, which on tokens sampled from pi is
-    in expectation the gradient of KL(pi || ref), while the value stays the named
-    estimator's for logging.
+    The "+" forms' gradient d * grad logp is, on tokens sampled from pi, in expectation the
+    gradient of KL(pi || ref); their value is the named estimator's, for logging.
     """
     straight_through = kind.endswith("+")
     base = kind[:-1] if straight_through else kind
@@ -337,18 +312,9 @@ def kl_estimate(logprobs, ref_logprobs, kind="k3"):
 # DPO and GAD
 
 
-def dpo_loss(
-    policy_chosen,
-    policy_rejected,
-    ref_chosen=None,
-    ref_rejected=None,
-    beta=0.1,
-    kind="sigmoid",
-    label_smoothing=0.0,
-    reference_free=False,
-):
-    """
-    DPO family per pair. Inputs [P]: summed response log-probs of the
+def dpo_loss(policy_chosen, policy_rejected, ref_chosen=None, ref_rejected=None, beta=0.1, kind="sigmoid",
+             label_smoothing=0.0, reference_free=False):
+    """DPO family per pair. Inputs [P]: summed response log-probs of the
     chosen / rejected responses under the policy and the reference.
 
         logits = (pi_c - pi_r) - (ref_c - ref_r)        (ref term dropped if reference_free)
@@ -388,8 +354,7 @@ def dpo_loss(
 
 
 def discriminator_loss(teacher_scores, student_scores):
-    """
-    GAD discriminator Bradley-Terry loss, each teacher response paired
+    """GAD discriminator Bradley-Terry loss, each teacher response paired
     with every student sample of its prompt:
 
         loss = mean_{p, j} -logsigmoid(D_teacher[p] - D_student[p, j])
@@ -411,8 +376,7 @@ def discriminator_loss(teacher_scores, student_scores):
 
 
 def global_counts(mask):
-    """
-    mask [B, L] -> (num_tokens, num_sequences) as 0-dim float tensors: the number of
+    """mask [B, L] -> (num_tokens, num_sequences) as 0-dim float tensors: the number of
     masked tokens and of sequences with at least one masked token. Sum (all-reduce)
     these over all micro-batches and ranks of an optimizer step and pass them to
     aggregate as global_tokens / global_sequences.
@@ -422,8 +386,7 @@ def global_counts(mask):
 
 
 def aggregate(per_token_loss, mask, mode, global_tokens=None, global_sequences=None, max_len=None):
-    """
-    Reduce a per-token loss [B, L] under a 0/1 mask [B, L] to a scalar:
+    """Reduce a per-token loss [B, L] under a 0/1 mask [B, L] to a scalar:
 
         token-mean               sum(loss * mask) / num_tokens
         seq-mean-token-sum       sum_i (sum_t loss_it mask_it) / num_sequences
@@ -431,11 +394,10 @@ def aggregate(per_token_loss, mask, mode, global_tokens=None, global_sequences=N
         seq-mean-token-sum-norm  sum(loss * mask) / (num_sequences * max_len)   (Dr. GRPO)
 
     num_tokens / num_sequences default to this batch's counts (global_counts(mask)); pass
-    the optimizer step's global counts instead and the sum of the micro-batch (and rank)
-    results equals the full-batch value, so the gradient does not depend on how the
-    batch is split. Sequences with an empty mask do not count in the seq-mean modes
-    (their loss is 0 anyway). max_len defaults to L, but micro-batches are padded
-    differently, so pass the global max response length for seq-mean-token-sum-norm.
+    the optimizer step's global counts instead and the micro-batches' (and ranks') results
+    sum to the full batch's (docs/loop.md, Aggregation). Sequences with an empty mask do not
+    count in the seq-mean modes. max_len defaults to L; pass the step's longest response for
+    seq-mean-token-sum-norm, since micro-batches are padded differently.
     Masked positions may hold inf/NaN (e.g. padding); they are dropped without
     poisoning the gradient. With nothing unmasked the result is 0, with a gradient path.
     """

@@ -1,10 +1,7 @@
 """Rollouts and micro-batches: the types every objective reads, and the forward mechanics they share.
 
 A Rollout is one response and what the objectives write on it; a MicroBatch lays rollouts out for
-one forward/backward with the step's global counts. The mechanics every loss uses are written
-once here: packing and the forward pass (`pack`, `forward`, `logprob_head`, `policy_logprobs`,
-`response_logprobs`), the engine-vs-trainer correction (`engine_correction`), the rollout
-statistics (`rollout_stats`) and `aggregate`. Statistics are (sum, count) pairs that
+one forward/backward with the step's global counts. Statistics are (sum, count) pairs that
 update.reduce_stats averages over micro-batches and ranks; a name ending in "_max" is a maximum
 instead (its count is ignored).
 """
@@ -13,12 +10,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 import chunked_head
 import losses
 import packing
-from distributed import Dist
+from distributed import Dist, from_every_rank
 # ----------------------------------------------------------------------------------------
 # What the loss functions get
 
@@ -111,14 +107,12 @@ def micro_batch(policy, rollouts: list, counts: dict, pad_id: int, device, old_l
 
 def pack(model, seqs: list, response_lens: list, pad_id: int, device, images: list | None = None,
          shared_prefix: bool = False, groups: list | None = None) -> packing.Packed:
-    """Sequences laid out for model (run.CausalLM): packing.pack, or packing.pack_shared_prefix
+    """Sequences laid out for model (policy.CausalLM): packing.pack, or packing.pack_shared_prefix
     (groups: each sequence's group key, whose members' common prompt runs once more).
 
-    For a vision-language model, images[i] are sequence i's pictures (the row's: a teacher
-    context keeps the prompt's pictures), and each picture's placeholder in seqs[i] is
-    expanded to its image tokens unless it already is (the engine's prompt ids are). Such
-    sequences never share a prefix: each runs as an ordinary right-padded row, exact, without
-    carrying 3-D rope positions from a prefix (docs/data.md, In the trainer).
+    For a vision-language model, images[i] are sequence i's pictures, their placeholders in
+    seqs[i] expanded unless they already are; such sequences never share a prefix, each runs as
+    an ordinary right-padded row (docs/data.md, In the trainer).
     """
     vision = getattr(model, "vision", None)
     if vision is None:
@@ -152,16 +146,10 @@ def response_logprobs(model, rollouts: list, pad_id: int, d: Dist, micro_batch: 
                           images=[rollouts[j].row.get("images") for j in part], shared_prefix=shared_prefix)
             logprobs = forward(model, packed, lambda h, w: chunked_head.logprobs_and_entropy_from_hidden(
                 h, w, packed.targets, temperature)[0])
-            start = 0
-            for j in part:
-                local[j] = logprobs[start:start + len(rollouts[j].response_ids)].tolist()
-                start += len(rollouts[j].response_ids)
-    if d.world > 1:
-        gathered = [None] * d.world
-        dist.all_gather_object(gathered, local)
-        for g in gathered:
-            local.update(g)
-    return [local[i] for i in range(len(rollouts))]
+            for j, values in zip(part, logprobs.split([len(rollouts[j].response_ids) for j in part])):
+                local[j] = values.tolist()
+    every = {i: values for part in from_every_rank(local, d.world) for i, values in part.items()}
+    return [every[i] for i in range(len(rollouts))]
 
 
 def idle_forward(model, pad_id: int, device, head, shared_prefix: bool = False, grouped: bool = False):
@@ -176,23 +164,21 @@ def share_prompts(cfg) -> bool:
     """Whether a forward of the policy or reference runs a prompt that several of its
     rollouts share once (--train.share_prompt_prefix): the old and reference log-probs, and
     an unsharded policy's gradient forward, whose prompt KV cache then takes the gradient of
-    every sequence that reads it (the same gradient to float32 rounding; a mini-batch holds
-    every sample of its prompts: on the default job the gradient forward runs 1,865 padded
-    tokens a step, against 4,923 with --train.shuffle_samples). HF drops the KV cache under gradient checkpointing."""
+    every sequence that reads it (the same gradient to float32 rounding; what it saves:
+    docs/results.md). HF drops the KV cache under gradient checkpointing."""
     return cfg.train.share_prompt_prefix and not cfg.model.gradient_checkpointing
 
 
 def forward(model, packed: packing.Packed, head):
-    """Run model (run.CausalLM) on packed sequences; head(hidden [N, H], lm_head weight) is
+    """Run model (policy.CausalLM) on packed sequences; head(hidden [N, H], lm_head weight) is
     applied to the hidden states at the response positions inside the model's forward."""
     return model(packed, head)
 
 
 def logprob_head(targets: torch.Tensor, temperature: float, chunk_size: int):
     """Head for the policy-gradient, DPO and SFT losses: the log-probs of targets [N] (with
-    gradient) and the entropy [N] (without). chunk_size > 0: chunk_size rows of logits at a
-    time, never [N, V] (chunked_head.token_logprobs_from_hidden); 0: one pass over the full
-    float32 logits (plain autograd, which keeps them for backward)."""
+    gradient) and the entropy [N] (without). chunk_size > 0: chunked_head.token_logprobs_from_hidden;
+    0: plain autograd over the float32 [N, V] logits (docs/loop.md, Memory)."""
     def head(hidden, weight):
         if chunk_size:
             return chunked_head.token_logprobs_from_hidden(hidden, weight, targets, temperature, chunk_size)
@@ -228,15 +214,26 @@ def rollout_stats(mb: MicroBatch, old_logprobs: torch.Tensor, entropy: torch.Ten
     """Entropy, engine-vs-trainer mismatch KL and IS ratios, as (sum, count) over the tokens
     the engine sampled (sampled [N]: 1 for those, 0 for a reference response's; None: all)."""
     sampled = torch.ones_like(entropy) if sampled is None else sampled
-    tokens = sampled.sum().item()
     ratio = (old_logprobs - mb.rollout_logprobs).clamp(-20, 20).exp()
+    mismatch_kl = losses.kl_estimate(mb.rollout_logprobs, old_logprobs, "k3")
     return {
-        "actor/entropy": ((entropy * sampled).sum().item(), tokens),
-        "rollout/mismatch_kl": ((losses.kl_estimate(mb.rollout_logprobs, old_logprobs, "k3") * sampled).sum().item(),
-                                tokens),
-        "is/ratio_mean": ((ratio * sampled).sum().item(), tokens),
-        "is/ratio_max": (ratio[sampled > 0].max().item() if tokens else 0.0, 1.0),
+        "actor/entropy": masked_stat(entropy, sampled),
+        "rollout/mismatch_kl": masked_stat(mismatch_kl, sampled),
+        "is/ratio_mean": masked_stat(ratio, sampled),
+        "is/ratio_max": (ratio[sampled > 0].max().item() if sampled.any() else 0.0, 1.0),
     }
+
+
+def masked_stat(values: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """The (sum, count) statistic of values over a mask of the same shape (a weighted mean once reduced)."""
+    return (values.detach() * mask).sum().item(), mask.sum().item()
+
+
+def stats_by_kind(mb: MicroBatch, name: str, values: torch.Tensor, mask: torch.Tensor, kinds: dict) -> dict:
+    """masked_stat of values [B, R] over mask, for the samples of each kind alone: {name_kind: (sum, count)}
+    (kinds: {kind: predicate on a rollout})."""
+    return {f"{name}_{kind}": masked_stat(values, mb.per_sequence(of_kind)[:, None] * mask)
+            for kind, of_kind in kinds.items()}
 
 
 def aggregate(mb: MicroBatch, per_token_loss: torch.Tensor, mask: torch.Tensor, cfg, default_mode: str) -> torch.Tensor:

@@ -6,7 +6,10 @@ Adding an objective). The types they read (Rollout, MicroBatch, Models) and the 
 loss shares (the forward pass, the engine-vs-trainer correction, the rollout statistics,
 `aggregate`) are written once, in microbatch.py.
 """
+import collections
 import dataclasses
+import functools
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -21,8 +24,8 @@ import losses
 import sdpo
 from distributed import Dist, reshard
 from microbatch import (MicroBatch, Models, Rollout, aggregate, engine_correction, forward, idle_forward,
-                        logprob_head, old_or_current, pack, policy_logprobs, response_logprobs, rollout_stats,
-                        share_prompts)
+                        logprob_head, masked_stat, old_or_current, pack, policy_logprobs, response_logprobs,
+                        rollout_stats, share_prompts, stats_by_kind)
 
 
 # ----------------------------------------------------------------------------------------
@@ -56,20 +59,15 @@ def clipped_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor, 
         mode = "token-mean"
     loss = aggregate(mb, per_token * engine_correction(mb, old, cfg), mask, cfg, mode)
     stats = rollout_stats(mb, old, entropy)
-    stats["actor/pg_clipfrac"] = ((clipped.float() * mask).sum().item(), mask.sum().item())
+    stats["actor/pg_clipfrac"] = masked_stat(clipped.float(), mask)
     return loss, stats
 
 
-def grpo_loss(mb: MicroBatch, models: Models, cfg):
-    """PPO-clip on GRPO advantages (DAPO's clip-higher: --algo.eps_high=0.28)."""
+def grpo_loss(mb: MicroBatch, models: Models, cfg, surrogate: str = "ppo"):
+    """PPO-clip on GRPO advantages (DAPO's clip-higher: --algo.eps_high=0.28); surrogate "gspo":
+    GSPO, whose clipped ratio is the sequence's geometric-mean ratio (--algo.gspo_eps_*)."""
     logprobs, entropy = policy_logprobs(mb, models, cfg)
-    return clipped_loss(mb, logprobs, entropy, mb.per_sequence(lambda r: r.advantage), cfg)
-
-
-def gspo_loss(mb: MicroBatch, models: Models, cfg):
-    """GSPO: the clipped ratio is the sequence's geometric-mean ratio (--algo.gspo_eps_*)."""
-    logprobs, entropy = policy_logprobs(mb, models, cfg)
-    return clipped_loss(mb, logprobs, entropy, mb.per_sequence(lambda r: r.advantage), cfg, surrogate="gspo")
+    return clipped_loss(mb, logprobs, entropy, mb.per_sequence(lambda r: r.advantage), cfg, surrogate)
 
 
 # ----------------------------------------------------------------------------------------
@@ -87,9 +85,7 @@ def prepare_teacher_contexts(rollouts: list, tokenizer, cfg) -> dict:
         r.teacher_ids, r.sdpo_mask = ids, float(mask)
         r.teacher_context = "demonstration" if demo is not None else ("feedback" if mask else "")
     success = [r.reward >= cfg.sdpo.success_threshold for r in rollouts]
-    group_successes = {}
-    for r, s in zip(rollouts, success):
-        group_successes[r.row["uid"]] = group_successes.get(r.row["uid"], 0) + s
+    group_successes = collections.Counter(r.row["uid"] for r, s in zip(rollouts, success) if s)
     with_sibling = [group_successes[r.row["uid"]] - s > 0 for r, s in zip(rollouts, success)]
     metrics = dict(batch.metrics)
     for name, kind in (("with", True), ("without", False)):
@@ -107,11 +103,9 @@ def prepare_hybrid(rollouts: list, tokenizer, cfg) -> dict:
 
 def teacher_hidden_states(cfg, models: Models, rollouts: list, pad_id: int, device, world: int) -> list:
     """Teacher hidden states [R, H'] at the response tokens of each rollout with a teacher
-    context (None for the others: their loss is masked out), teacher_micro_batch sequences
-    per forward, a shared teacher prompt run once per forward (--sdpo.share_teacher_prefix),
-    and the part a group's teacher prompts share (the question) once before their rests.
-    Every rank calls this at the same points, an idle one with no rollouts: ranks run as many
-    forwards as the busiest (FSDP2's collectives)."""
+    context (None for the others: their loss is masked out), teacher_micro_batch sequences per
+    forward, a group's shared teacher prompt run once (docs/loop.md, Memory). Every rank calls
+    this, an idle one with no rollouts: ranks run as many forwards as the busiest (FSDP2)."""
     used = [r for r in rollouts if r.sdpo_mask > 0]
     calls = torch.tensor([math.ceil(len(used) / cfg.sdpo.teacher_micro_batch)])
     if world > 1:  # ranks differ in how many of their samples have a teacher context
@@ -131,12 +125,9 @@ def teacher_hidden_states(cfg, models: Models, rollouts: list, pad_id: int, devi
 
 
 def cache_teacher_hidden(cfg, models: Models, rollouts: list, pad_id: int, d: Dist) -> float:
-    """Once per update, before its first optimizer step: the teacher's hidden states for all of
-    this rank's rollouts, kept on each rollout for its micro-batch. An EMA or frozen teacher
-    does not change during an update (the EMA moves after it), so this is what the
-    micro-batches would compute, but a group's shared teacher prompt now runs once per step
-    instead of once per mini-batch holding one of its samples. A teacher that reads the
-    current policy (live, trust-region) is computed per micro-batch instead. Returns seconds."""
+    """Once per update, before its first optimizer step: an EMA or frozen teacher's hidden states
+    for all of this rank's rollouts, kept on each for its micro-batch (why: docs/loop.md, Memory);
+    a teacher that reads the policy (live, trust-region) runs per micro-batch. Returns seconds."""
     models.teacher.head_weight_source()  # a collective under FSDP2: gathered here, on every rank at once
     if models.teacher.reads_policy:
         return 0.0
@@ -206,18 +197,15 @@ def sdpo_loss(mb: MicroBatch, models: Models, cfg):
     loss, current, entropy, teacher_lp, teacher_entropy = forward(models.policy, mb.packed,
                                                                   sdpo_head(mb, models, cfg, teacher_hidden))
     old = old_or_current(mb, current)
-    mask = mb.matrix(torch.cat([torch.full((len(r.response_ids),), r.sdpo_mask, device=mb.device)
-                                for r in mb.rollouts]))
+    mask = mb.per_sequence(lambda r: r.sdpo_mask)[:, None] * mb.response_mask
     is_clip = losses.importance_weights(mb.matrix(current), mb.matrix(old), cfg.sdpo.is_clip)
     per_token = mb.matrix(loss) * is_clip * engine_correction(mb, old, cfg)
-    stats = rollout_stats(mb, old, entropy)
-    stats["sdpo/divergence"] = ((mb.matrix(loss).detach() * mask).sum().item(), mask.sum().item())
+    divergence = mb.matrix(loss).detach()
+    stats = {**rollout_stats(mb, old, entropy), "sdpo/divergence": masked_stat(divergence, mask)}
     right = lambda r: r.reward >= cfg.sdpo.success_threshold
-    kinds = {"right": lambda r: right(r) and not r.truncated, "wrong": lambda r: not (right(r) or r.truncated),
-             "truncated": lambda r: r.truncated}
-    for name, of_kind in kinds.items():  # a partition of the samples with a teacher context
-        rows = mb.per_sequence(of_kind)[:, None] * mask
-        stats[f"sdpo/divergence_{name}"] = ((mb.matrix(loss).detach() * rows).sum().item(), rows.sum().item())
+    stats.update(stats_by_kind(mb, "sdpo/divergence", divergence, mask, {  # partitions the covered samples
+        "right": lambda r: right(r) and not r.truncated, "wrong": lambda r: not (right(r) or r.truncated),
+        "truncated": lambda r: r.truncated}))
     stats.update(teacher_diagnostics(mb, mask, current, entropy, teacher_lp, teacher_entropy,
                                      cfg.sdpo.success_threshold))
     return aggregate(mb, per_token, mask, cfg, "token-mean"), stats
@@ -225,30 +213,23 @@ def sdpo_loss(mb: MicroBatch, models: Models, cfg):
 
 def teacher_diagnostics(mb: MicroBatch, mask, student_lp, student_entropy, teacher_lp, teacher_entropy,
                         success_threshold: float) -> dict:
-    """What tells a researcher early whether the teacher knows more than the student:
-    teacher-minus-student entropy (a teacher flatter than its student pulls it towards
-    noise) and teacher-minus-student log-prob of the sampled tokens, split by the kind of
-    teacher context (a demonstration from a successful sibling, or feedback only) and, for
-    demonstrations, by whether the sample itself succeeded: a teacher that knows which answer
-    is right likes a wrong sample's tokens less than a right one's (demo_wrong < demo_right);
-    where the two are alike, distillation lowers right and wrong answers alike."""
-    entropy_gap = mb.matrix(teacher_entropy - student_entropy) * mask
-    logprob_gap = mb.matrix(teacher_lp - student_lp) * mask
-    stats = {"sdpo/teacher_entropy": ((mb.matrix(teacher_entropy) * mask).sum().item(), mask.sum().item()),
-             "sdpo/teacher_minus_student_entropy": (entropy_gap.sum().item(), mask.sum().item())}
+    """Whether the teacher knows more than the student (docs/metrics.md, sdpo/): teacher entropy
+    and teacher-minus-student entropy, and teacher-minus-student log-prob of the sampled tokens
+    by kind of teacher context, by the success of a sample shown a demonstration, and at the
+    EOS that ended each finished answer."""
+    logprob_gap = mb.matrix(teacher_lp - student_lp)
+    entropy_gap = mb.matrix(teacher_entropy - student_entropy)
+    stats = {"sdpo/teacher_entropy": masked_stat(mb.matrix(teacher_entropy), mask),
+             "sdpo/teacher_minus_student_entropy": masked_stat(entropy_gap, mask)}
     demo = lambda r: r.teacher_context == "demonstration"
-    kinds = {"demo": demo, "feedback": lambda r: r.teacher_context == "feedback",
-             "demo_right": lambda r: demo(r) and r.reward >= success_threshold,
-             "demo_wrong": lambda r: demo(r) and r.reward < success_threshold}
-    for name, of_kind in kinds.items():
-        rows = mb.per_sequence(of_kind)[:, None] * mask
-        stats[f"sdpo/teacher_minus_student_logprob_{name}"] = ((logprob_gap * rows).sum().item(), rows.sum().item())
-    # at the EOS that ended each answer: below 0, the teacher would not stop there (a weak model
-    # shown a demonstration in another format wants that format's ending first)
+    stats.update(stats_by_kind(mb, "sdpo/teacher_minus_student_logprob", logprob_gap, mask, {
+        "demo": demo, "feedback": lambda r: r.teacher_context == "feedback",
+        "demo_right": lambda r: demo(r) and r.reward >= success_threshold,
+        "demo_wrong": lambda r: demo(r) and r.reward < success_threshold}))
     eos = mask * (torch.arange(mask.shape[1], device=mask.device)[None, :]
                   == mb.per_sequence(lambda r: len(r.response_ids) - 1)[:, None])
-    eos = eos * (1 - mb.per_sequence(lambda r: r.truncated))[:, None]
-    stats["sdpo/teacher_minus_student_logprob_eos"] = ((logprob_gap * eos).sum().item(), eos.sum().item())
+    stats["sdpo/teacher_minus_student_logprob_eos"] = masked_stat(
+        logprob_gap, eos * (1 - mb.per_sequence(lambda r: r.truncated))[:, None])
     return stats
 
 
@@ -307,14 +288,9 @@ def preference_pairs(rewards: list, mode: str) -> tuple[list, int]:
         return ([], 1) if rewards[best] == rewards[worst] else ([(best, worst)], 0)
     if mode != "all":
         raise ValueError(f"unknown pairing {mode!r}; choose best_worst or all")
-    pairs, ties = [], 0
-    for i in range(n):
-        for j in range(i + 1, n):
-            if rewards[i] == rewards[j]:
-                ties += 1
-            else:
-                pairs.append((i, j) if rewards[i] > rewards[j] else (j, i))
-    return pairs, ties
+    pairs = [(i, j) if rewards[i] > rewards[j] else (j, i)
+             for i, j in itertools.combinations(range(n), 2) if rewards[i] != rewards[j]]
+    return pairs, n * (n - 1) // 2 - len(pairs)
 
 
 def engine_eos(rollouts: list, tokenizer) -> int:
@@ -343,11 +319,8 @@ def prompt_groups(rollouts: list) -> list[list]:
 
 def prepare_pairs(rollouts: list, tokenizer, cfg) -> dict:
     """Preference pairs within each prompt's samples, written onto the chosen rollout
-    (preferred_over) and marked on both (paired). A tie gives no pair, and a prompt without
-    a pair contributes nothing. --dpo.chosen reference (SPIN): the row's reference response
-    is appended as a rollout (not generated: tokenised, ending with the engine's EOS) and
-    chosen over each sample, except a sample identical to it (a pair with no gradient,
-    counted as a tie)."""
+    (preferred_over) and marked on both (paired); --dpo.chosen reference (SPIN): the row's
+    reference response, appended as a rollout, over each sample (docs/loop.md, Online DPO)."""
     if cfg.dpo.chosen == "sample" and cfg.rollout.n < 2:
         raise ValueError(f"--algo dpo needs --rollout.n >= 2 samples per prompt to pair (got {cfg.rollout.n}), "
                          "or --dpo.chosen reference")
@@ -418,12 +391,9 @@ def pair_positions(rollouts: list) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dpo_loss(mb: MicroBatch, models: Models, cfg):
     """The DPO family's loss (--dpo.loss_type, β, label smoothing) of this micro-batch's
-    pairs, summed and divided by the optimizer step's global pair count. A pair's two
-    responses always share a micro-batch (the loop keeps a prompt's rollouts together).
-
-    Deliberately not applied: the engine-vs-trainer IS correction and a ratio clip. DPO is an
-    off-policy objective (the pairs could come from any sampler), as in TRL's online DPO and
-    verl's SPIN recipe; the mismatch is still logged."""
+    pairs, summed and divided by the optimizer step's global pair count (a pair's two responses
+    share a micro-batch: keep_prompts_together). No engine correction nor ratio clip: DPO is
+    off-policy, as in TRL's online DPO and verl's SPIN (docs/loop.md)."""
     dp = cfg.dpo
     logprobs, entropy = policy_logprobs(mb, models, cfg)
     policy = sequence_logprobs(mb.matrix(logprobs), mb.per_sequence(lambda r: len(r.response_ids)), cfg)
@@ -528,7 +498,7 @@ def gad_loss(mb: MicroBatch, models: Models, cfg):
         reference = torch.tensor([v for r in mb.rollouts for v in r.reference_logprobs], device=mb.device)
         mask = mb.response_mask
         kl = losses.kl_estimate(mb.matrix(logprobs), mb.matrix(reference), cfg.algo.kl_type) * mask
-        stats["actor/kl"] = (kl.detach().sum().item(), mask.sum().item())
+        stats["actor/kl"] = masked_stat(kl, mask)
         if not cfg.algo.kl_in_reward:
             loss = loss + cfg.algo.kl_coef * aggregate(mb, kl, mask, cfg,
                                                        "seq-mean-token-mean" if surrogate == "gspo" else "token-mean")
@@ -569,7 +539,8 @@ OBJECTIVES = {
     "sdpo": Objective(loss=sdpo_loss, prepare=prepare_teacher_contexts, counted=lambda r: r.sdpo_mask > 0,
                       models=("teacher",)),
     "grpo": Objective(loss=grpo_loss, prepare=prepare_advantages, moves=lambda r: r.advantage != 0),
-    "gspo": Objective(loss=gspo_loss, prepare=prepare_advantages, moves=lambda r: r.advantage != 0),
+    "gspo": Objective(loss=functools.partial(grpo_loss, surrogate="gspo"), prepare=prepare_advantages,
+                      moves=lambda r: r.advantage != 0),
     "hybrid": Objective(loss=hybrid_loss, prepare=prepare_hybrid, models=("teacher",),
                         moves=lambda r: r.advantage != 0 or r.sdpo_mask > 0),  # without a teacher T - S = 0
     "sft": Objective(loss=sft_loss, references=True),

@@ -1,16 +1,15 @@
 """The engine's processes: starting them quiet, placing them on CPU cores, ending them with the run.
 
-vLLM's engine core and workers run in processes of their own (rollout.Engine). This file holds
-what a reader of the engine's calls need not read: the environment they start in (torchrun's
-variables hidden, vLLM's logging and harmless warnings quieted, the plugins made importable),
-the cores they compute on and the trainer's threads beside them (cpu_split, share_cores, thread
-pinning), and the reaper that ends them when the trainer dies without closing the engine.
+vLLM's engine core and workers (rollout.Engine) start with torchrun's variables hidden and the
+plugins importable; the trainer's threads keep beside their cores (cpu_split, share_cores,
+pin_threads); a reaper ends them when the trainer dies without closing the engine.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import subprocess
 import sys
 from typing import TYPE_CHECKING
 
@@ -26,17 +25,17 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # vLLM general plugins found on this path run in every process vLLM starts (vllm_plugins/).
-PLUGIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_plugins")
+PLUGIN_DIR = os.path.join(ROOT, "vllm_plugins")
 VLLM_LOGGING = os.path.join(PLUGIN_DIR, "logging.json")
 USER_CONFIGURED_VLLM_LOGGING = bool({"VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING"} & set(os.environ)) or \
     os.environ.get("VLLM_LOGGING_CONFIG_PATH", VLLM_LOGGING) != VLLM_LOGGING
 if not USER_CONFIGURED_VLLM_LOGGING:
-    # vLLM configures its logging only once an engine starts, so a warning at its import goes
-    # through Python's last-resort handler: "Triton is installed, but doesn't include CPU
-    # backend", about kernels a CPU engine does not use, once in the trainer and once in each
-    # engine process. Here, because those processes import the main script, and with it this
-    # module, before vLLM.
+    # vLLM's "Triton is installed, but doesn't include CPU backend" comes at its import, before
+    # its logging is configured; here, since the engine's processes import the main script, and
+    # this module, before vLLM (docs/loop.md, What the console shows)
     logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
+
+
 @contextlib.contextmanager
 def patched_env(set_vars: dict, remove_vars=()):
     saved = {k: os.environ.get(k) for k in list(set_vars) + list(remove_vars)}
@@ -54,53 +53,38 @@ def patched_env(set_vars: dict, remove_vars=()):
 
 
 REAPER = """
-import shutil, signal, sys, time, psutil
-def _running(p):
-    try:
+import contextlib, shutil, signal, sys, time, psutil
+def running(p):
+    with contextlib.suppress(psutil.Error):
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+    return False
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the trainer decides
 processes = []
 for pid in sys.argv[1:]:
-    try:
+    with contextlib.suppress(psutil.Error):
         processes.append(psutil.Process(int(pid)))  # remembers its start time: a reused pid is never hit
-    except psutil.Error:
-        pass
 # each line the trainer writes is a directory of its own to remove at the end (the file sync's,
 # in /dev/shm: memory that would outlive a killed run); the loop ends when the pipe closes, i.e.
 # when the trainer closed the engine, or died
 directories = [line.strip() for line in sys.stdin if line.strip()]
 for p in processes:
-    try:
+    with contextlib.suppress(psutil.Error):
         p.terminate()
-    except psutil.Error:
-        pass
 deadline = time.monotonic() + 3  # an engine has nothing to save: a short grace, then SIGKILL
 while processes and time.monotonic() < deadline:
     # a zombie has exited (its parent, the trainer, reaps it): waiting on its pid would last the whole grace
-    processes = [p for p in processes if _running(p)]
+    processes = [p for p in processes if running(p)]
     time.sleep(0.05)
 for p in processes:
-    try:
+    with contextlib.suppress(psutil.Error):
         p.kill()
-    except psutil.Error:
-        pass
 for directory in directories:
     shutil.rmtree(directory, ignore_errors=True)
 """
 
 
-def start_reaper(processes: list):
-    """A small process that terminates `processes` once this process has gone (its stdin closes),
-    then removes the directories written to its stdin, one a line (`reap_directory`)."""
-    import subprocess
-    return subprocess.Popen([sys.executable, "-c", REAPER] + [str(p.pid) for p in processes],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
-
-
 def reap_directory(reaper, directory: str):
-    """Have `reaper` remove `directory` when the trainer goes, even by SIGKILL."""
+    """Have the engine's reaper (supervise) remove `directory` when the trainer goes, even by SIGKILL."""
     reaper.stdin.write(f"{directory}\n".encode())
     reaper.stdin.flush()
 
@@ -112,9 +96,8 @@ def descendants() -> set[int]:
 
 def pin_threads(pid: int, cores: list[int]):
     """Every thread of process pid that may run outside cores onto them (its later threads
-    inherit it). vLLM binds its CPU worker's OpenMP threads only, one to a core, which stays:
-    the engine core's scheduler and the other threads ran on any core, so an engine generating
-    beside the trainer (--train.off_policy_steps 1) took more than its share (docs/async.md)."""
+    inherit it): vLLM binds only its CPU worker's OpenMP threads, and the others took the
+    trainer's cores beside an asynchronous trainer (docs/async.md, Threads on a CPU)."""
     with contextlib.suppress(OSError):  # a process or thread that has ended meanwhile
         for tid in map(int, os.listdir(f"/proc/{pid}/task")):
             with contextlib.suppress(OSError):
@@ -143,26 +126,18 @@ def alive(process) -> bool:
 
 
 def quiet_vllm_logging():
-    """vLLM's own logging at WARNING (its ~60 INFO lines at start-up mean nothing to a user), and
-    warnings that are harmless here hidden (vllm_plugins/logging.json): "Failed to load weights" of
-    a layer the reload skips (every sync is proven by its probe), the CPU worker's LD_PRELOAD
-    hints, and start-up warnings about settings chosen here on purpose (eager mode, whole-prompt
-    prefill; the worker's "OMP_NUM_THREADS=N is set", which vLLM set itself for the cores it binds;
-    "force killing remaining process EngineCore" / "force killing sub process VLLM::Worker" at close,
-    which gives it 2 s on purpose; the logger of the second also holds start-up notes about
-    settings vLLM overrides itself). Only
-    where the user has not configured vLLM's logging (VLLM_LOGGING_LEVEL=INFO)."""
+    """vLLM's own logging at WARNING, and its warnings that are harmless here hidden
+    (vllm_plugins/logging.json; which and why: docs/loop.md, What the console shows). Only where
+    the user has not configured vLLM's logging (VLLM_LOGGING_LEVEL=INFO)."""
     if not USER_CONFIGURED_VLLM_LOGGING:
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = VLLM_LOGGING
 
 
 def quiet_engine_processes() -> dict:
-    """The environment of the engine's processes, less three warnings that mean nothing to a
-    user: torch's deprecation of `reduce_op` as vLLM's Triton dispatcher scans every module;
-    the CPU worker's C++ note that it binds memory to its NUMA node (the binding it is given);
-    and, at exit, the resource tracker's "1 leaked shared_memory objects", vLLM's message-queue
-    buffer, which the tracker then removes. Where the user has not set PYTHONWARNINGS or
-    TORCH_CPP_LOG_LEVEL themselves."""
+    """The environment of the engine's processes, less three warnings that mean nothing to a user
+    (torch's `reduce_op` deprecation, the CPU worker's NUMA note, the resource tracker's leaked
+    shared memory at exit: docs/loop.md, What the console shows), unless the user set
+    PYTHONWARNINGS or TORCH_CPP_LOG_LEVEL."""
     env = {}
     if "PYTHONWARNINGS" not in os.environ:
         env["PYTHONWARNINGS"] = ("ignore::FutureWarning:vllm.triton_utils.dispatcher,"
@@ -191,15 +166,10 @@ def use_plugins(env: dict):
 
 def cpu_split(cfg: Config) -> tuple[list[int], int, int]:
     """On CPU: (the cores the engine's worker computes on, each rank's torch threads while the
-    engine generates beside the trainer, and while it does not).
-
-    Two OpenMP pools on the same cores slow each other many times over: a thread waiting at a
-    barrier spins while the one it waits for is preempted by the other pool. In the synchronous
-    loop the engine and the trainer take turns, so each gets every core; with
-    --train.off_policy_steps 1 the engine generates on half of them while the trainer learns
-    on the rest, and the trainer takes every core again once that generation has ended
-    (share_cores). A thread count the user set (the flags, OMP_NUM_THREADS,
-    VLLM_CPU_OMP_THREADS_BIND) is kept.
+    engine generates beside the trainer, and while it does not). Taking turns, each gets every
+    core; with --train.off_policy_steps 1 they split them, since two OpenMP pools on the same
+    cores slow each other many times over (docs/async.md, Threads on a CPU). A thread count the
+    user set (the flags, OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND) is kept.
     """
     cores = sorted(os.sched_getaffinity(0))
     ahead = cfg.train.off_policy_steps > 0
@@ -234,13 +204,12 @@ def share_cores(cfg: Config, engine, models):
             module.register_forward_pre_hook(switch)
 
 
-def engine_env(placement: str, own_process: bool, engine_gpu: int | None, cpu_cores: list[int] | None,
-               world_size: int) -> tuple[dict, list[int] | None]:
+def engine_env(placement: str, own_process: bool, cpu_cores: list[int] | None, world_size: int) -> tuple:
     """(the environment the engine starts in, the cores its processes keep to on CPU or None)."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if own_process else "0"}
     if placement == "separate" and torch.cuda.is_available():
         # The engine takes the GPU after the trainers' (trainers on 0..N-1 of this node).
-        gpu = engine_gpu if engine_gpu is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        gpu = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
     bound = None  # the cores the engine's processes keep to, on CPU
@@ -257,7 +226,10 @@ def supervise(before: set[int], bound: list[int] | None) -> tuple[dict, object]:
     that ends them when this process ends without closing the engine (kill -9: vLLM's own
     processes outlive their parent); on CPU their threads pinned to bound."""
     started = processes_since(before)
-    reaper = start_reaper([p for p, _ in started.values()]) if started else None
+    # REAPER: a small process that terminates them once this process has gone (its stdin closes),
+    # then removes the directories written to it (reap_directory)
+    reaper = subprocess.Popen([sys.executable, "-c", REAPER, *map(str, started)], stdin=subprocess.PIPE,
+                              stdout=subprocess.DEVNULL) if started else None
     for pid in started if bound else ():
         pin_threads(pid, bound)
     return started, reaper

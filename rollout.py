@@ -1,13 +1,13 @@
 """The vLLM rollout engine: start, generation with per-token log-probs, scoring, verified weight loads.
 
 Rank 0 owns the engine: `colocated` on the trainers' device, or `separate` on the GPU after
-theirs; its core runs in its own process (torchrun's variables hidden from it) except for a
-single process on a GPU (its processes' environment, CPU cores and reaper: processes.py). Every weight sync is proven: the engine scores a fixed probe
-sequence (with a picture for a vision-language model) and must match the trainer's log-probs
-of it (docs/sync.md). Image prompts are token ids with one image token per picture; a
-Sample's prompt_ids are the engine's expanded ids (image_prompts.ImagePrompts).
+theirs; its core runs in its own process except for a single process on a GPU (processes.py).
+Every weight sync is proven by a probe the engine and the trainer both score (docs/sync.md).
+Image prompts are token ids with one image token per picture; a Sample's prompt_ids are the
+engine's expanded ids (image_prompts.ImagePrompts).
 """
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -31,9 +31,9 @@ from processes import (TORCHRUN_VARS, alive, cpu_split, descendants, engine_env,
                        reap_directory, supervise, use_plugins)
 
 MAX_IMAGES_PER_PROMPT = 4
-
-
 KV_HEADROOM_TOKENS = 256  # two of vLLM's CPU KV blocks
+MAX_CONCURRENT_SEQS = 256  # vLLM's default max_num_seqs
+CPU_KV_CACHE_BYTES = 1 << 30
 
 
 class EngineError(RuntimeError):
@@ -117,16 +117,14 @@ def _cpu_engine_args(model_dir: str, dtype: str, max_model_len: int, kv_cache_to
 class Engine:
     """A vLLM engine driven by rank 0.
 
-    own_process: None chooses in-process for a single colocated process on a GPU and an
-    engine-core process otherwise (always on CPU). dtype "float32" makes the engine match a float32 trainer to ~1e-4;
-    "bfloat16" is what GPUs run (docs/sync.md: the probe tolerance that holds).
-    kv_cache_tokens: on CPU, size the KV cache for this many tokens (at least max_model_len)
-    instead of gpu_memory_utilization's fraction of the machine (vLLM's default took 8 GB for
-    a 135M model).
-    cpu_cores: on CPU, the cores the engine's worker binds its OpenMP threads to (None: all of
-    this process's; vLLM's own choice would be one core of two, the other left to its scheduler).
-    sync_addr: "host:port" at which the engine's workers reach this process for a weight sync
-    through a process group (sync.py); empty: this machine, a free port.
+    own_process: None chooses in-process for a single colocated process on a GPU, an engine-core
+    process otherwise (always on CPU). dtype: "float32" matches a float32 trainer, "bfloat16" is
+    what GPUs run (docs/sync.md: the probe tolerance that holds). kv_cache_tokens: on CPU, a KV
+    cache for this many tokens (at least max_model_len) instead of gpu_memory_utilization's
+    fraction of the machine (vLLM's default is gigabytes for a tiny model). cpu_cores: on CPU, the
+    cores the worker binds its OpenMP threads to (None: all of this process's; vLLM's own choice
+    is one core of two). sync_addr: "host:port" at which the workers reach this process for a
+    weight sync through a process group (sync.py); empty: this machine, a free port.
 
     Each sample is stamped with the version of the weights that generated it. `in_background`
     runs a job that uses the engine (the next batch's generation) while the caller trains; any
@@ -135,9 +133,8 @@ class Engine:
 
     def __init__(self, model_dir: str, placement: str = "colocated", dtype: str = "auto",
                  gpu_memory_utilization: float = 0.3, max_model_len: int = 2048, seed: int = 0,
-                 own_process: bool | None = None, engine_gpu: int | None = None, rpc_timeout_s: float = 600.0,
-                 enforce_eager: bool = True, kv_cache_tokens: int = 0, cpu_cores: list[int] | None = None,
-                 sync_addr: str = ""):
+                 own_process: bool | None = None, rpc_timeout_s: float = 600.0, kv_cache_tokens: int = 0,
+                 cpu_cores: list[int] | None = None, sync_addr: str = ""):
         quiet_vllm_logging()
         from vllm import LLM
         if placement not in ("colocated", "separate"):
@@ -145,15 +142,13 @@ class Engine:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if own_process is None:
             # On CPU an in-process engine binds the process's OpenMP threads, which makes its
-            # generation ~10x slower and erratic next to a 2-thread trainer (bench/rollout.py).
+            # generation many times slower and erratic beside the trainer (docs/results.md).
             own_process = world_size > 1 or placement == "separate" or not torch.cuda.is_available()
         if not own_process and world_size > 1:
             raise ValueError("an in-process engine under torchrun with several ranks hangs at start-up; "
                              "use own_process=True")
-        env, bound = engine_env(placement, own_process, engine_gpu, cpu_cores, world_size)
-        self.model_dir = model_dir
-        self.own_process = own_process
-        self.rpc_timeout_s = rpc_timeout_s
+        env, bound = engine_env(placement, own_process, cpu_cores, world_size)
+        self.model_dir, self.own_process, self.rpc_timeout_s = model_dir, own_process, rpc_timeout_s
         self.weights_version = 0  # the checkpoint's weights
         self._background = None  # the job started by in_background, until someone waits for it
         self._idle_since = None  # when the last generation ended
@@ -174,14 +169,12 @@ class Engine:
             resource_tracker.ensure_running()
             self.llm = LLM(
                 model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=True,
                 # Log-probs after temperature: the ones the sampler actually drew from, which
                 # the trainer reproduces by dividing its logits by the same temperature.
                 logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                 use_tqdm_on_load=False,  # its bar at every weight sync would break the run's own
-                worker_extension_cls="sync.WeightReceiver",
-                **engine_args,
-            )
+                worker_extension_cls="sync.WeightReceiver", **engine_args)
         self.start_seconds = time.perf_counter() - t0
         # The engine core and its workers: watched during every call (see _call), and ended by a
         # reaper process when this one ends without closing the engine (processes.supervise).
@@ -261,16 +254,10 @@ class Engine:
                                  logprobs=0, top_p=1.0, top_k=0, min_p=0.0, skip_special_tokens=True)
                   for i in range(len(prompts))]
         outputs = self._call("generate", self.llm.generate, self._prompts(prompts, images), params, use_tqdm=False)
-        result = []
-        for out in outputs:
-            samples = []
-            for completion in out.outputs:
-                ids = list(completion.token_ids)
-                logprobs = [step[token].logprob for token, step in zip(ids, completion.logprobs)]
-                samples.append(Sample(prompt_ids=list(out.prompt_token_ids), response_ids=ids, logprobs=logprobs,
-                                      text=completion.text, truncated=completion.finish_reason == "length",
-                                      policy_version=version))
-            result.append(samples)
+        result = [[Sample(prompt_ids=list(out.prompt_token_ids), response_ids=list(c.token_ids),
+                          logprobs=[step[token].logprob for token, step in zip(c.token_ids, c.logprobs)],
+                          text=c.text, truncated=c.finish_reason == "length", policy_version=version)
+                   for c in out.outputs] for out in outputs]
         self._idle_since = time.perf_counter()
         return result
 
@@ -290,12 +277,10 @@ class Engine:
         HF-named state dict (through a file, or directly into an engine in this process), or a
         sync.WeightStream (through the weight group, or directly into an engine in this process).
 
-        trainer_probe_logprobs: log-probs of the probe under the weights being synced (see
-        `probe_logprobs`), one per token after the first of the probe with its image tokens
-        expanded (probe_images: the probe's pictures, see `image_probe`). version: what later
-        samples are stamped with (default: one more than now). Waits for a background job first. Raises EngineError
-        when keys are missing or the engine's probe log-probs differ from the trainer's by more
-        than tol (max abs, nats).
+        trainer_probe_logprobs: the probe's log-probs under the weights being synced
+        (`probe_logprobs`; probe_images: its pictures, `image_probe`). version: what later samples
+        are stamped with (default: one more than now). Waits for a background job first. Raises
+        EngineError when keys are missing or the probe misses tol (max abs, nats) twice.
         """
         waited = self._finish_background()
         t0 = time.perf_counter()
@@ -322,10 +307,7 @@ class Engine:
             load = lambda: self._reload(weights_iterator=iter(pairs) if pairs is not None else weights.tensors())
         diff = self._load_and_probe(load, probe_ids, probe_images, trainer_probe_logprobs)
         reloads = 0
-        if not diff <= tol:  # NaN fails too
-            # Seen once, on CPU (a GAD run's first sync; rerunning the run did not repeat it): the
-            # engine's probe read 2.4e-3 nats off, as if it still held the weights before the step.
-            # The load is repeated once and counted (sync/reloads); a second miss stops the run.
+        if not diff <= tol:  # NaN fails too; a miss is loaded once more (docs/sync.md: seen once)
             print(f"weight sync: the engine's probe log-probs differ from the trainer's by {diff:.4g} nats "
                   f"(tolerance {tol}); loading the weights once more", file=sys.stderr, flush=True)
             reloads, diff = 1, self._load_and_probe(load, probe_ids, probe_images, trainer_probe_logprobs)
@@ -350,22 +332,19 @@ class Engine:
         receiving = Background(lambda: self.llm.collective_rpc(
             "receive_weights", timeout=self.rpc_timeout_s, args=(stream.plan(), str(stream.dtype).split(".")[-1])),
             name="vLLM weight sync")
-        for bucket in stream.buckets():
+        for bucket in itertools.chain(stream.buckets(), [None]):  # None: after the last bucket
             if error is not None:
                 continue
             try:
                 if sending is not None:
                     self._wait("weight sync", sending, receiving)
-                sending = Background(lambda b=bucket: group.broadcast(b, 0).wait(), name="weight sync send")
+                if bucket is None:
+                    self._wait("weight sync", receiving)
+                else:
+                    sending = Background(lambda b=bucket: group.broadcast(b, 0).wait(),
+                                         name="weight sync send")
             except EngineError as e:
                 error = e
-        try:
-            if error is None:
-                if sending is not None:
-                    self._wait("weight sync", sending, receiving)
-                self._wait("weight sync", receiving)
-        except EngineError as e:
-            error = e
         if error is not None:
             self._weight_group = None  # in an unknown state
             raise error
@@ -517,12 +496,6 @@ def kv_cache_tokens(cfg: Config, model_dir: str, tokenizer, rows: list, device) 
     if device.type == "cpu":
         need = min(need, CPU_KV_CACHE_BYTES // kv_bytes_per_token(model_dir, engine_dtype(cfg, device)))
     return need
-
-
-MAX_CONCURRENT_SEQS = 256  # vLLM's default max_num_seqs
-
-
-CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def engine_dtype(cfg: Config, device) -> str:

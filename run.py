@@ -125,13 +125,9 @@ def restore(cfg: Config, resume: str, trainer: Trainer, engine, tokenizer, logge
 
 
 class Batches:
-    """The rollout batch of each step, in step order.
-
-    --train.off_policy_steps 0: each batch is generated when it is taken. 1: taking batch t
-    starts generating batch t+1 on rank 0 in the background (on a CPU, with a teacher of its
-    own weights: once the teacher's forward is done), with the weights the engine holds
-    (version t), while every rank learns from batch t: one update stale, which the engine
-    correction covers (docs/async.md).
+    """The rollout batch of each step, in step order: generated when taken, or with
+    --train.off_policy_steps 1 in the background on rank 0 while every rank learns from the
+    batch before it, one update stale (docs/async.md).
     """
 
     def __init__(self, cfg: Config, objective, engine, tokenizer, train_rows: list, d: Dist, ahead=None,
@@ -246,10 +242,9 @@ def learn(cfg: Config, objective, trainer: Trainer, engine, tokenizer, rollouts:
 
 def test_time_self_distillation(cfg: Config, objective, model_dir: str, engine, tokenizer, rows: list, logger,
                                 d: Dist) -> dict:
-    """Paper section 5: repeated SDPO steps on one hard question alone, against best-of-k
-    (docs/loop.md). Each question logs the generations until its first success (-1: none
-    within k = train.steps * rollout.n); the summary is discovery@k, the fraction of
-    questions solved within k generations, for k = n, 2n, ..., train.steps * n."""
+    """Paper section 5 (docs/loop.md, Test-time self-distillation): SDPO steps on one hard
+    question alone against best-of-k; logs each question's generations until its first success
+    (-1: none) and discovery@k, the fraction solved within k = n, 2n, ..., train.steps * n."""
     n, steps, k = cfg.rollout.n, cfg.train.steps, cfg.rollout.eval_k
     first_success = lambda rollouts: next((i + 1 for i, r in enumerate(rollouts)
                                            if r.reward >= cfg.sdpo.success_threshold), None)

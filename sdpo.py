@@ -1,5 +1,4 @@
-"""
-SDPO teacher contexts: which sibling demonstrates for whom, and the teacher's input ids.
+"""SDPO teacher contexts: which sibling demonstrates for whom, and the teacher's input ids.
 
 For every rollout the teacher (the same network, an EMA or trust-region copy) scores the
 student's *exact* response ids under a richer prompt: the original question plus a
@@ -57,13 +56,9 @@ class TeacherBatch:
 
 
 def strip_thinking(text: str) -> str:
-    """Remove `<think>...</think>` blocks (and the whitespace after them) from text.
-
-    A `</think>` with no `<think>` before it means the chat template opened the block in
-    the generation prompt: everything up to it is thinking. An unclosed `<think>` runs to
-    the end. If nothing but whitespace would be left, the answer was inside the thinking
-    (the response was judged a success), so keep the text with only the tags removed.
-    """
+    """Remove `<think>...</think>` blocks (and the whitespace after them) from text; a leading
+    `...</think>`, an unclosed `<think>`, and a text that is only thinking: docs/loop.md,
+    Teacher contexts."""
     out = text
     close = out.find("</think>")
     if close >= 0 and not (0 <= out.find("<think>") < close):
@@ -92,11 +87,6 @@ def context_text(tokenizer, text: str, keep: tuple[str, ...] = ()) -> str:
             if not n:
                 break
     return text
-
-
-def _has_feedback(feedback) -> bool:
-    """Empty (or whitespace-only, or None) feedback counts as no feedback."""
-    return bool(feedback and feedback.strip())
 
 
 def reprompt_text(cfg: SdpoConfig, prompt: str, demonstration: str | None, feedback: str | None) -> str:
@@ -177,13 +167,10 @@ def teacher_prompt_ids(tokenizer, messages: list[dict], demonstration: str | Non
                        cfg: SdpoConfig) -> list[int]:
     """Token ids of the teacher prompt for one sample, at most cfg.max_reprompt_len long.
 
-    Over the limit, the demonstration and feedback are cut in the middle (the shorter one
-    stays whole if it can; see _water_fill), the prompt re-rendered and re-tokenised until
-    it fits, so the prompt, the instruction and the generation prompt stay intact and
-    the tokenisation stays the one a plain render gives. If the prompt and instruction
-    alone do not fit, the full render is cut in the middle with the instruction and
-    generation prompt protected (data.truncate_middle): the prompt's start and the end of
-    the demonstration/feedback survive.
+    Over the limit, the demonstration and feedback are cut in the middle (_water_fill) and the
+    prompt rendered again until it fits, so the tokenisation stays the one a plain render gives;
+    if the prompt and instruction alone do not fit, the render is cut in the middle with the
+    instruction and generation prompt protected (docs/loop.md, Teacher contexts).
     """
     head, prompt, limit = list(messages[:-1]), messages[-1]["content"], cfg.max_reprompt_len
     # the one door into a teacher context for text the model or a program controls
@@ -225,12 +212,6 @@ def teacher_prompt_ids(tokenizer, messages: list[dict], demonstration: str | Non
 # the batch
 
 
-def _decode_demonstration(tokenizer, ids: list[int], keep_ids: set[int], drop_ids: set[int], cfg: SdpoConfig) -> str:
-    """Response text without special tokens (think tags kept if they are special), thinking stripped."""
-    text = tokenizer.decode([t for t in ids if t not in drop_ids or t in keep_ids], skip_special_tokens=False)
-    return strip_thinking(text) if cfg.remove_thinking_from_demonstration else text
-
-
 def build_teacher_batch(tokenizer, rows: list[dict], response_ids: list[list[int]], response_texts: list[str],
                         rewards: list[float], feedbacks: list[str], cfg: SdpoConfig) -> TeacherBatch:
     """Teacher inputs, self-distillation mask and metrics for a batch of rollouts.
@@ -238,12 +219,8 @@ def build_teacher_batch(tokenizer, rows: list[dict], response_ids: list[list[int
     rows[i] is the prompt row of sample i; samples of the same prompt share rows[i]["uid"]
     and may come in any order. rewards[i] is sample i's total reward, feedbacks[i] its
     environment feedback ("" or None = none). Samples with mask 0 get their plain original
-    prompt (same limit) + response, so every sample has a teacher input.
-
-    Metrics (fractions): sdpo/groups_with_success (uids with >= 1 success),
-    sdpo/samples_with_success, sdpo/feedback_available (non-empty feedback),
-    sdpo/feedback_used (feedback put into the teacher context), sdpo/teacher_coverage
-    (samples reprompted = mean of the mask).
+    prompt (same limit) + response, so every sample has a teacher input. Metrics: the sdpo/
+    fractions of docs/metrics.md.
     """
     n = len(rows)
     for name, seq in (("response_ids", response_ids), ("response_texts", response_texts),
@@ -254,7 +231,7 @@ def build_teacher_batch(tokenizer, rows: list[dict], response_ids: list[list[int
     success = [float(r) >= cfg.success_threshold for r in rewards]
 
     successes, demo_index = _demonstrations(uids, success, cfg)
-    has_fb = [_has_feedback(f) for f in feedbacks]
+    has_fb = [bool(f and f.strip()) for f in feedbacks]  # empty or whitespace-only: no feedback
     use_fb = [cfg.include_environment_feedback and has_fb[i]
               and not (cfg.environment_feedback_only_without_solution and demo_index[i] is not None)
               for i in range(n)]
@@ -275,9 +252,8 @@ def build_teacher_batch(tokenizer, rows: list[dict], response_ids: list[list[int
 def _demonstrations(uids: list, success: list[bool], cfg: SdpoConfig) -> tuple[dict, list]:
     """(each uid's successful samples, each sample's demonstration index or None): the first
     success of the group in batch order, not the sample itself if dont_reprompt_on_self_success."""
-    successes: dict = {}
+    successes = {uid: [] for uid in uids}
     for i, uid in enumerate(uids):
-        successes.setdefault(uid, [])
         if success[i]:
             successes[uid].append(i)
     demo_index = [next((j for j in successes[uid] if not (cfg.dont_reprompt_on_self_success and j == i)), None)
@@ -296,18 +272,18 @@ def _teacher_inputs(tokenizer, rows, response_ids, feedbacks, demo_index, use_fb
     input_ids, prompt_lens = [], []
     for i, row in enumerate(rows):
         j = demo_index[i]
-        if j is not None and j not in demo_text:
-            demo_text[j] = _decode_demonstration(tokenizer, list(response_ids[j]), keep_ids, special, cfg)
+        if j is not None and j not in demo_text:  # without special tokens but think tags, thinking stripped
+            text = tokenizer.decode([t for t in response_ids[j] if t not in special or t in keep_ids],
+                                    skip_special_tokens=False)
+            demo_text[j] = strip_thinking(text) if cfg.remove_thinking_from_demonstration else text
         demo = demo_text[j] if j is not None else None
         fb = feedbacks[i] if use_fb[i] else None
         # Siblings sharing a demonstration and no feedback get the same context: tokenise it once.
         # (Pictures are not in the messages: the ids hold a placeholder, expanded per row in the trainer.)
         key = (json.dumps(row["messages"]), demo, fb)
         if key not in prompt_cache:
-            if mask[i]:
-                prompt_cache[key] = teacher_prompt_ids(tokenizer, row["messages"], demo, fb, cfg)
-            else:
-                prompt_cache[key] = chat_prompt_ids(tokenizer, row["messages"], cfg.max_reprompt_len)
+            prompt_cache[key] = (teacher_prompt_ids(tokenizer, row["messages"], demo, fb, cfg) if mask[i]
+                                 else chat_prompt_ids(tokenizer, row["messages"], cfg.max_reprompt_len))
         prompt = prompt_cache[key]
         input_ids.append(list(prompt) + list(response_ids[i]))  # the student's ids, unchanged
         prompt_lens.append(len(prompt))

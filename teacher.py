@@ -1,20 +1,11 @@
-"""The SDPO teacher (the paper's EMA and trust-region teachers, docs/loop.md) and the DPO reference: copies of the policy's network.
+"""The SDPO teacher and the DPO reference: copies of the policy's network.
 
-  ema           θ_T ← (1−r)·θ_T + r·θ after every training step, on each rank's own FSDP2
-                shards (no gather), and only when some optimizer step had a finite grad norm
-  frozen        the initial policy (an EMA with r = 0; no optimizer state is ever copied)
-  trust-region  teacher logits = lerp(ref logits, student logits, r), the student term
-                without gradient; the reference is the initial policy and never moves
-  live          the current weights (diverges in the paper; here for the ablation)
-
-The teacher is consumed as final hidden states plus an LM-head weight, so that the loss
-can compute teacher logits chunk by chunk (chunked_head.sdpo_topk_loss_from_hidden). The
-trust-region lerp is exact in that form: lerp of logits over [h_ref, h_student] is one
-matmul of the concatenated hidden states [(1−r)·h_ref, r·h_student] with the
-concatenated heads [W_ref, W_student].
-
-The DPO reference (`Reference`) is the initial policy, frozen, replaced by the current
-policy every N steps (SPIN's iterations) or never.
+Teachers (--sdpo.teacher; their formulas: docs/loop.md, The formulas): ema, frozen, trust-region,
+live. A teacher is consumed as final hidden states plus an LM-head weight, so that the loss
+computes teacher logits chunk by chunk (chunked_head.sdpo_topk_loss_from_hidden); the
+trust-region lerp of logits is exact in that form: one matmul of the concatenated hidden states
+[(1−r)·h_ref, r·h_student] with the concatenated heads [W_ref, W_student]. The EMA moves each
+rank's own FSDP2 shards (no gather), only after a finite optimizer step.
 """
 import torch
 
@@ -35,9 +26,7 @@ class Teacher:
             raise ValueError(f"unknown teacher {kind!r}; choose from {KINDS}")
         if kind != "live" and copy is None:
             raise ValueError(f"the {kind} teacher needs a copy of the initial policy")
-        if kind == "frozen":
-            rate = 0.0
-        self.kind, self.rate, self.copy = kind, rate, copy
+        self.kind, self.rate, self.copy = kind, 0.0 if kind == "frozen" else rate, copy
         if copy is not None:
             copy.requires_grad_(False)
             copy.eval()
@@ -116,9 +105,9 @@ class Teacher:
 
 
 class Reference:
-    """A frozen copy of the policy for log-ratios against it (DPO): the
-    initial policy, replaced by the policy of the moment after every `every` training steps
-    (SPIN: each iteration's reference is the previous iteration's model); 0: never.
+    """A frozen copy of the policy for log-ratios against it (DPO): the initial policy, replaced
+    by the policy of the moment after every `every` training steps (SPIN: each iteration's
+    reference is the previous iteration's model); 0: never.
 
     model: a module built like the policy (same wrapper, same sharding), holding the
     initial weights. Refreshing copies each rank's own FSDP2 shards (no gather).

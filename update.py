@@ -3,7 +3,6 @@ rank's micro-batches, every loss normalised by the optimizer step's global count
 micro-batches, all ranks), so that the gradient does not depend on micro-batching or the
 number of ranks. The objective (objectives.OBJECTIVES) supplies the loss; nothing here names
 an algorithm."""
-import contextlib
 import math
 import random
 
@@ -14,10 +13,9 @@ import microbatch
 import objectives
 from config import Config
 from data import stream_seed
-from distributed import Dist, full_tensor
+from distributed import Dist, from_every_rank, full_tensor
 from microbatch import Models
 from policy import CausalLM, Trainer
-
 
 
 def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step: int, pad_id: int, d: Dist,
@@ -88,10 +86,8 @@ def before_update_logprobs(cfg: Config, policy, rollouts: list, units: list, pad
     trained = sorted(i for unit in units for i in unit)
     logprobs = microbatch.response_logprobs(policy, [rollouts[i] for i in trained], pad_id, d, cfg.train.micro_batch,
                                             cfg.rollout.temperature, microbatch.share_prompts(cfg))
-    out = [None] * len(rollouts)
-    for i, values in zip(trained, logprobs):
-        out[i] = values
-    return out
+    by_index = dict(zip(trained, logprobs))
+    return [by_index.get(i) for i in range(len(rollouts))]
 
 
 def accumulate_gradients(cfg: Config, objective, models: Models, rollouts: list, micro: list, old_logprobs,
@@ -104,18 +100,19 @@ def accumulate_gradients(cfg: Config, objective, models: Models, rollouts: list,
     # prompt's KV cache reaches the loss around them, so a sharded policy runs each sequence whole.
     shared_prefix = microbatch.share_prompts(cfg) and isinstance(models.policy, CausalLM) and not models.policy.sharded
     for j, part in enumerate(micro):
-        with no_sync_unless(models.policy, d.world, last=j == len(micro) - 1):
-            if part:
-                mb = microbatch.micro_batch(models.policy, [rollouts[i] for i in part], counts, pad_id, d.device,
-                                            None if old_logprobs is None else [old_logprobs[i] for i in part], d.world,
-                                            shared_prefix)
-                loss, mb_stats = objective.loss(mb, models, cfg)
-                add_stats(stats, mb_stats)
-                add_stats(seconds, mb.seconds)
-            else:  # this rank has fewer rollouts: take part in the collectives with a zero loss
-                loss = idle_loss(cfg, models, pad_id, d)
-            finite &= bool(torch.isfinite(loss).item())
-            (loss * d.world).backward()  # FSDP2 averages gradients over ranks; the counts are global
+        if d.world > 1:  # FSDP2's gradient reduce-scatter after the last micro-batch only
+            models.policy.set_requires_gradient_sync(j == len(micro) - 1)
+        if part:
+            mb = microbatch.micro_batch(models.policy, [rollouts[i] for i in part], counts, pad_id, d.device,
+                                        None if old_logprobs is None else [old_logprobs[i] for i in part], d.world,
+                                        shared_prefix)
+            loss, mb_stats = objective.loss(mb, models, cfg)
+            add_stats(stats, mb_stats)
+            add_stats(seconds, mb.seconds)
+        else:  # this rank has fewer rollouts: take part in the collectives with a zero loss
+            loss = idle_loss(cfg, models, pad_id, d)
+        finite &= bool(torch.isfinite(loss).item())
+        (loss * d.world).backward()  # FSDP2 averages gradients over ranks; the counts are global
         total += loss.item()
     return total, finite
 
@@ -207,11 +204,8 @@ def reduce_stats(stats: dict, step_losses: list, world: int) -> dict:
     for *_max), and the loss averaged over the optimizer steps taken. A statistic no token
     or sample counted towards (e.g. the teacher gap of right answers in a step without one)
     is left out, not logged as 0."""
-    names = sorted(stats)
-    if world > 1:  # a rank without micro-batches has no statistics: agree on the names first
-        gathered = [None] * world
-        dist.all_gather_object(gathered, names)
-        names = sorted(set().union(*gathered))
+    # a rank without micro-batches has no statistics: agree on the names first
+    names = sorted(set().union(*from_every_rank(sorted(stats), world)))
     sums = torch.tensor([stats.get(n, (0.0, 0.0))[0] for n in names] + [sum(step_losses)], dtype=torch.float64)
     counts = torch.tensor([stats.get(n, (0.0, 0.0))[1] for n in names], dtype=torch.float64)
     maxima = torch.tensor([stats.get(n, (0.0, 0.0))[0] if n.endswith("_max") else 0.0 for n in names],
@@ -236,22 +230,9 @@ def rank_share(items: list, rank: int, world: int) -> list:
     return items[start:start + size + (rank < extra)]
 
 
-@contextlib.contextmanager
-def no_sync_unless(policy, world, last: bool):
-    """Skip FSDP2's gradient reduce-scatter on all but the last micro-batch."""
-    if world > 1:
-        policy.set_requires_gradient_sync(last)
-    yield
-
-
 def split_evenly(items: list, parts: int) -> list[list]:
+    """items in `parts` contiguous mini-batches (sizes differ by at most one)."""
     if parts < 1 or parts > len(items):
         raise ValueError(f"--train.mini_batches={parts} must be between 1 and the {len(items)} prompts of a step "
                          "(samples with --train.shuffle_samples)")
-    size, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for p in range(parts):
-        end = start + size + (p < extra)
-        out.append(items[start:end])
-        start = end
-    return out
+    return [rank_share(items, p, parts) for p in range(parts)]

@@ -219,9 +219,10 @@ def test_run_with_an_unwritable_out_dir_stops_before_starting_anything(tmp_path)
 TRAINER_KILLED = """
 import subprocess, sys, tempfile, time
 sys.path.insert(0, sys.argv[1])
-from processes import reap_directory, start_reaper
+from processes import descendants, reap_directory, supervise
+before = descendants()
 engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-reaper = start_reaper([engine])
+_, reaper = supervise(before, None)
 directory = tempfile.mkdtemp(prefix="sdpo-sync-", dir=sys.argv[2])
 reap_directory(reaper, directory)
 print(engine.pid, directory, flush=True)
