@@ -229,11 +229,10 @@ def masked_stat(values: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]
     return (values.detach() * mask).sum().item(), mask.sum().item()
 
 
-def stats_by_kind(mb: MicroBatch, name: str, values: torch.Tensor, mask: torch.Tensor, kinds: dict) -> dict:
-    """masked_stat of values [B, R] over mask, for the samples of each kind alone: {name_kind: (sum, count)}
-    (kinds: {kind: predicate on a rollout})."""
-    return {f"{name}_{kind}": masked_stat(values, mb.per_sequence(of_kind)[:, None] * mask)
-            for kind, of_kind in kinds.items()}
+def stats_by_kind(mb: MicroBatch, values: torch.Tensor, mask: torch.Tensor, kinds: dict) -> dict:
+    """masked_stat of values [B, R] over mask, for the samples of each kind alone: {key: (sum, count)}
+    (kinds: {metric key: predicate on a rollout}; whole keys, which docs/metrics.md's test finds)."""
+    return {key: masked_stat(values, mb.per_sequence(of_kind)[:, None] * mask) for key, of_kind in kinds.items()}
 
 
 def aggregate(mb: MicroBatch, per_token_loss: torch.Tensor, mask: torch.Tensor, cfg, default_mode: str) -> torch.Tensor:

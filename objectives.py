@@ -203,9 +203,10 @@ def sdpo_loss(mb: MicroBatch, models: Models, cfg):
     divergence = mb.matrix(loss).detach()
     stats = {**rollout_stats(mb, old, entropy), "sdpo/divergence": masked_stat(divergence, mask)}
     right = lambda r: r.reward >= cfg.sdpo.success_threshold
-    stats.update(stats_by_kind(mb, "sdpo/divergence", divergence, mask, {  # partitions the covered samples
-        "right": lambda r: right(r) and not r.truncated, "wrong": lambda r: not (right(r) or r.truncated),
-        "truncated": lambda r: r.truncated}))
+    stats.update(stats_by_kind(mb, divergence, mask, {  # partitions the covered samples
+        "sdpo/divergence_right": lambda r: right(r) and not r.truncated,
+        "sdpo/divergence_wrong": lambda r: not (right(r) or r.truncated),
+        "sdpo/divergence_truncated": lambda r: r.truncated}))
     stats.update(teacher_diagnostics(mb, mask, current, entropy, teacher_lp, teacher_entropy,
                                      cfg.sdpo.success_threshold))
     return aggregate(mb, per_token, mask, cfg, "token-mean"), stats
@@ -222,10 +223,11 @@ def teacher_diagnostics(mb: MicroBatch, mask, student_lp, student_entropy, teach
     stats = {"sdpo/teacher_entropy": masked_stat(mb.matrix(teacher_entropy), mask),
              "sdpo/teacher_minus_student_entropy": masked_stat(entropy_gap, mask)}
     demo = lambda r: r.teacher_context == "demonstration"
-    stats.update(stats_by_kind(mb, "sdpo/teacher_minus_student_logprob", logprob_gap, mask, {
-        "demo": demo, "feedback": lambda r: r.teacher_context == "feedback",
-        "demo_right": lambda r: demo(r) and r.reward >= success_threshold,
-        "demo_wrong": lambda r: demo(r) and r.reward < success_threshold}))
+    stats.update(stats_by_kind(mb, logprob_gap, mask, {
+        "sdpo/teacher_minus_student_logprob_demo": demo,
+        "sdpo/teacher_minus_student_logprob_feedback": lambda r: r.teacher_context == "feedback",
+        "sdpo/teacher_minus_student_logprob_demo_right": lambda r: demo(r) and r.reward >= success_threshold,
+        "sdpo/teacher_minus_student_logprob_demo_wrong": lambda r: demo(r) and r.reward < success_threshold}))
     eos = mask * (torch.arange(mask.shape[1], device=mask.device)[None, :]
                   == mb.per_sequence(lambda r: len(r.response_ids) - 1)[:, None])
     stats["sdpo/teacher_minus_student_logprob_eos"] = masked_stat(
