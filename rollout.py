@@ -8,7 +8,6 @@ engine's expanded ids (image_prompts.ImagePrompts).
 """
 import contextlib
 import itertools
-import json
 import os
 import shutil
 import sys
@@ -85,14 +84,9 @@ class Background:
         return self.value
 
 
-def _config(model_dir: str) -> dict:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return json.load(f)
-
-
 def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
     """Bytes of KV cache one token takes in the engine: K and V of every layer."""
-    config = _config(model_dir)
+    config = sync.checkpoint_config(model_dir)
     text = config.get("text_config", config)  # vision-language configs nest the LM's
     heads = text["num_attention_heads"]
     head_dim = text.get("head_dim") or text["hidden_size"] // heads
@@ -157,7 +151,7 @@ class Engine:
         self.sync_addr, self._weight_group = sync_addr, None  # the group path's
         engine_args = {} if torch.cuda.is_available() else _cpu_engine_args(model_dir, dtype, max_model_len,
                                                                             kv_cache_tokens)
-        self.vision = "vision_config" in _config(model_dir)
+        self.vision = "vision_config" in sync.checkpoint_config(model_dir)
         if self.vision:  # images only: no video processor without torchvision, and no video budget to profile
             engine_args["limit_mm_per_prompt"] = {"image": MAX_IMAGES_PER_PROMPT, "video": 0}
             use_plugins(env)
@@ -278,7 +272,7 @@ class Engine:
         sync.WeightStream (through the weight group, or directly into an engine in this process).
 
         trainer_probe_logprobs: the probe's log-probs under the weights being synced
-        (`probe_logprobs`; probe_images: its pictures, `image_probe`). version: what later samples
+        (`probe_logprobs`; probe_images: its pictures, `sync.image_probe`). version: what later samples
         are stamped with (default: one more than now). Waits for a background job first. Raises
         EngineError when keys are missing or the probe misses tol (max abs, nats) twice.
         """
@@ -398,26 +392,6 @@ class Engine:
                 reaper.wait(timeout=30)
 
 
-def probe_ids(tokenizer) -> list[int]:
-    """A fixed sequence the engine and the trainer both score after every sync."""
-    messages = [{"role": "user", "content": "What is 12 + 30? Give the final answer as 'Answer: <number>'."}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text + "12 + 30 = 42\nAnswer: 42", add_special_tokens=False)["input_ids"]
-
-
-def image_probe(tokenizer) -> tuple[list[int], list]:
-    """The probe of a vision-language model: a fixed picture, a question about it and an
-    answer (ids with one image token), and the picture. A sync that missed the vision tower
-    changes these log-probs."""
-    from tasks.shapes import draw_shapes
-    picture = draw_shapes([{"kind": "circle", "colour": "red", "cell": 0, "scale": 0.6, "dx": 0.0, "dy": 0.0},
-                           {"kind": "square", "colour": "blue", "cell": 3, "scale": 0.5, "dx": 0.1, "dy": 0.0}],
-                          size=112, grid=2)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the circle?"}]}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text + "Answer: red", add_special_tokens=False)["input_ids"], [picture]
-
-
 @torch.no_grad()
 def probe_logprobs(model, ids: list[int], images=None) -> torch.Tensor:
     """The trainer's log p(token_t | tokens_<t), t = 1.., in float32 (every FSDP rank calls
@@ -475,7 +449,7 @@ def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
                   + (f", {beside} while the engine generates beside it" if beside != alone else ""))
     status(d, f"engine: starting vLLM on {model_dir} (tens of seconds on a CPU)")  # nothing else shows meanwhile
     return rank0_call(d, lambda: Engine(
-        model_dir, placement=cfg.rollout.placement, dtype=engine_dtype(cfg, d.device), seed=cfg.train.seed,
+        model_dir, placement=cfg.rollout.placement, dtype=sync.engine_dtype(cfg, d.device), seed=cfg.train.seed,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, max_model_len=cfg.rollout.max_model_len,
         own_process=own, rpc_timeout_s=cfg.rollout.rpc_timeout_s, cpu_cores=cores, sync_addr=cfg.rollout.sync_addr,
         kv_cache_tokens=kv_cache_tokens(cfg, model_dir, tokenizer, rows, d.device)), share=False)
@@ -494,10 +468,5 @@ def kv_cache_tokens(cfg: Config, model_dir: str, tokenizer, rows: list, device) 
     sequences = max(cfg.train.prompts_per_step * cfg.rollout.n, cfg.data.eval_rows * cfg.rollout.eval_k)
     need = min(sequences, MAX_CONCURRENT_SEQS) * per_sequence
     if device.type == "cpu":
-        need = min(need, CPU_KV_CACHE_BYTES // kv_bytes_per_token(model_dir, engine_dtype(cfg, device)))
+        need = min(need, CPU_KV_CACHE_BYTES // kv_bytes_per_token(model_dir, sync.engine_dtype(cfg, device)))
     return need
-
-
-def engine_dtype(cfg: Config, device) -> str:
-    # Never vLLM's "auto": it silently runs a float32 checkpoint in half precision.
-    return cfg.rollout.dtype or ("bfloat16" if device.type == "cuda" else "float32")

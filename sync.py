@@ -22,6 +22,7 @@ and must match the trainer's log-probs of it within --rollout.sync_tol (docs/syn
 `rollout.Engine.update_weights` does the load, the cache resets and the proof.
 """
 import datetime
+import json
 import os
 import socket
 import time
@@ -32,7 +33,6 @@ import torch.distributed as dist
 
 import chunked_head
 import microbatch
-import rollout
 from distributed import Dist, rank0_call, reshard
 from policy import CausalLM, pad_token_id, tensor_identity
 
@@ -53,11 +53,17 @@ def engine_state(hf_model, state: dict) -> dict:
     return state
 
 
+def checkpoint_config(model_dir: str) -> dict:
+    """The checkpoint's config.json."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
+
+
 def checkpoint_keys(model_dir: str) -> set[str]:
     """Keys a full sync must carry: the checkpoint's, plus lm_head.weight of a tied model,
     which HF does not save but vLLM's layerwise reload waits for."""
     from safetensors import safe_open
-    config = rollout._config(model_dir)
+    config = checkpoint_config(model_dir)
     tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False))
     keys = {"lm_head.weight"} if tied else set()
     for name in os.listdir(model_dir):
@@ -314,12 +320,38 @@ def release_freed_memory():
 # the loop's sync: every rank
 
 
+def engine_dtype(cfg, device) -> str:
+    """The dtype the engine runs in and a sync sends: --rollout.dtype, else bfloat16 on a GPU, float32 on CPU."""
+    # Never vLLM's "auto": it silently runs a float32 checkpoint in half precision.
+    return cfg.rollout.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+
+
+def probe_ids(tokenizer) -> list[int]:
+    """A fixed sequence the engine and the trainer both score after every sync."""
+    messages = [{"role": "user", "content": "What is 12 + 30? Give the final answer as 'Answer: <number>'."}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text + "12 + 30 = 42\nAnswer: 42", add_special_tokens=False)["input_ids"]
+
+
+def image_probe(tokenizer) -> tuple[list[int], list]:
+    """The probe of a vision-language model: a fixed picture, a question about it and an
+    answer (ids with one image token), and the picture. A sync that missed the vision tower
+    changes these log-probs."""
+    from tasks.shapes import draw_shapes
+    picture = draw_shapes([{"kind": "circle", "colour": "red", "cell": 0, "scale": 0.6, "dx": 0.0, "dy": 0.0},
+                           {"kind": "square", "colour": "blue", "cell": 3, "scale": 0.5, "dx": 0.1, "dy": 0.0}],
+                          size=112, grid=2)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the circle?"}]}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text + "Answer: red", add_special_tokens=False)["input_ids"], [picture]
+
+
 def probe_logprobs(policy, tokenizer, d: Dist):
     """The fixed probe (ids, pictures or None) and the trainer's log-probs of it: what the engine's
     must match after a sync. A vision-language model's probe holds a picture: a sync that missed
     the vision tower fails it."""
-    probe, pictures = rollout.image_probe(tokenizer) if policy.vision is not None else \
-        (rollout.probe_ids(tokenizer), None)
+    probe, pictures = image_probe(tokenizer) if policy.vision is not None else \
+        (probe_ids(tokenizer), None)
     scored = policy.vision.expand(probe, pictures)[0] if pictures else probe  # the engine scores the expanded ids
     packed = microbatch.pack(policy, [scored], [len(scored) - 1], pad_token_id(tokenizer), d.device,
                              images=[pictures] if pictures else None)
@@ -336,7 +368,7 @@ def sync_engine(cfg, engine, policy, tokenizer, d: Dist, version: int) -> dict:
     the waits: the trainer's for a batch the engine generates ahead, and the engine's, idle
     since its last generation."""
     t0 = time.perf_counter()
-    dtype = rollout.engine_dtype(cfg, d.device)
+    dtype = engine_dtype(cfg, d.device)
     if cfg.rollout.sync == "group":
         weights = WeightStream(policy, d, getattr(torch, dtype), cfg.rollout.sync_bucket_mb * 2 ** 20)
     else:

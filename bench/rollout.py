@@ -139,12 +139,13 @@ def child(mode, args):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import rollout
+    import sync
     import tiny_models
 
     model_dir = args.model or tiny_models.tiny_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    probe = rollout.probe_ids(tokenizer)
+    probe = sync.probe_ids(tokenizer)
     dtype = "bfloat16" if mode == "bf16" else "float32"
     engine = rollout.Engine(model_dir, dtype=dtype, own_process=(mode == "own"),
                             kv_cache_tokens=args.kv_tokens, max_model_len=2048)

@@ -38,13 +38,14 @@ def main(out_dir, model_dir, d):
     import losses
     import rollout
     import run
+    import sync
     from policy import load_policy
     from sync import full_state_dict
 
     rank, world, device = d.rank, d.world, d.device
     result = {"rank": rank, "world": world}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    probe = rollout.probe_ids(tokenizer)
+    probe = sync.probe_ids(tokenizer)
     pad_id = tokenizer.pad_token_id
 
     # Engine first, as in run.train; rank0_call hands a failure on rank 0 to rank 1 as well.
@@ -147,6 +148,7 @@ def main_group_vs_file(out_dir, model_dir, d):
 
     import rollout
     import run
+    import sync
     from distributed import local_tensor
     from policy import load_policy
 
@@ -162,7 +164,7 @@ def main_group_vs_file(out_dir, model_dir, d):
                 local = local_tensor(p)
                 local.add_(torch.randn(local.shape, generator=g) * 0.01)
     result = {"rank": d.rank, "world": d.world,
-              **group_vs_file(engine, policy, tokenizer, d, rollout.probe_ids(tokenizer), nudge, first_version=1)}
+              **group_vs_file(engine, policy, tokenizer, d, sync.probe_ids(tokenizer), nudge, first_version=1)}
     if d.rank == 0:
         engine.close()
     with open(os.path.join(out_dir, f"rank{d.rank}.json"), "w") as f:

@@ -19,6 +19,7 @@ import data
 import microbatch
 import processes
 import rollout
+import sync
 import run
 from microbatch import Models
 from objectives import OBJECTIVES
@@ -261,7 +262,7 @@ def test_each_batch_comes_from_the_weights_before_the_last_update(tiny_dir, toke
     """In process, with the engine, the sync and the update wrapped to record what happens."""
     cfg = run.parse_config(SMALL + ["--algo=sdpo", "--train.steps=3", "--train.off_policy_steps=1",
                                     "--train.mini_batches=2", "--train.eval_every=0", f"--log.out_dir={tmp_path}"])
-    probe = rollout.probe_ids(tokenizer)
+    probe = sync.probe_ids(tokenizer)
     pad_id, temperature = tokenizer.pad_token_id, cfg.rollout.temperature
     generations, loads, updates, weights = [], [], [], {}
     real_generate, real_load = rollout.Engine.generate, rollout.Engine.update_weights

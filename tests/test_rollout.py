@@ -22,6 +22,7 @@ import torch
 
 import data
 import rollout
+import sync
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +93,7 @@ def long_prompt(tokenizer):
 
 @pytest.fixture(scope="module")
 def probe(tokenizer):
-    return rollout.probe_ids(tokenizer)
+    return sync.probe_ids(tokenizer)
 
 
 def state_of(model):

@@ -401,7 +401,8 @@ def test_prompt_truncation_never_cuts_an_image(vlm_tokenizer):
 
 def test_the_picture_changes_what_the_model_predicts(vlm_tokenizer, image_prompts, hf):
     import rollout
-    ids, (picture,) = rollout.image_probe(vlm_tokenizer)
+    import sync
+    ids, (picture,) = sync.image_probe(vlm_tokenizer)
     other = data.task_rows("shapes", "train", 1)[0]["images"][0]
     a = rollout.probe_logprobs(hf, ids, image_prompts(ids, [picture]))
     b = rollout.probe_logprobs(hf, ids, image_prompts(ids, [other]))
@@ -470,7 +471,8 @@ def test_engine_logprobs_on_image_prompts_match_the_trainer(engine, hf, image_pr
 @pytest.mark.slow
 def test_engine_scores_image_sequences_like_the_trainer(engine, hf, image_prompts, vlm_tokenizer):
     import rollout
-    ids, pictures = rollout.image_probe(vlm_tokenizer)
+    import sync
+    ids, pictures = sync.image_probe(vlm_tokenizer)
     inputs = image_prompts(ids, pictures)
     (scores,) = engine.score([ids], [pictures])
     assert len(scores) == len(inputs.input_ids) - 1
@@ -483,9 +485,9 @@ def test_engine_scores_image_sequences_like_the_trainer(engine, hf, image_prompt
 def test_weight_sync_of_the_vision_tower_is_proven_by_the_image_probe(engine, hf, image_prompts, vlm_tokenizer):
     import rollout
     import sync
-    ids, pictures = rollout.image_probe(vlm_tokenizer)
+    ids, pictures = sync.image_probe(vlm_tokenizer)
     inputs = image_prompts(ids, pictures)
-    text_probe = rollout.probe_ids(vlm_tokenizer)
+    text_probe = sync.probe_ids(vlm_tokenizer)
     # noise on the vision tower only: the text probe cannot see it, the image probe must
     new = copy.deepcopy(hf)
     g = torch.Generator().manual_seed(0)
