@@ -29,6 +29,9 @@ class SdpoConfig:
     """Teacher-context flags (--sdpo.*). Defaults are the ones used in the paper's runs."""
     success_threshold: float = 0.5  # a rollout is a success when its reward >= this
     dont_reprompt_on_self_success: bool = True  # a success never demonstrates for itself
+    # False: a successful sample gets no teacher context (mask 0), so only failed samples are
+    # distilled; in the hybrid a success keeps GRPO's advantage alone (docs/loop.md, Routing)
+    distill_successes: bool = True
     remove_thinking_from_demonstration: bool = True
     # Demonstrations only: the paper's configuration without environment feedback. A weak
     # pretrained model reads feedback badly (docs/results.md); the tiny model's warm start teaches
@@ -231,8 +234,10 @@ def build_teacher_batch(tokenizer, rows: list[dict], response_ids: list[list[int
     success = [float(r) >= cfg.success_threshold for r in rewards]
 
     successes, demo_index = _demonstrations(uids, success, cfg)
+    routed = [success[i] and not cfg.distill_successes for i in range(n)]  # no teacher context
+    demo_index = [None if routed[i] else j for i, j in enumerate(demo_index)]
     has_fb = [bool(f and f.strip()) for f in feedbacks]  # empty or whitespace-only: no feedback
-    use_fb = [cfg.include_environment_feedback and has_fb[i]
+    use_fb = [cfg.include_environment_feedback and has_fb[i] and not routed[i]
               and not (cfg.environment_feedback_only_without_solution and demo_index[i] is not None)
               for i in range(n)]
     mask = [1.0 if demo_index[i] is not None or use_fb[i] else 0.0 for i in range(n)]

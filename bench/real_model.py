@@ -16,6 +16,10 @@ EMA 0.05; extra run.py flags, e.g. `--optim.lr=3e-6`, are passed through to ever
     sdpo       --algo=sdpo --sdpo.include_environment_feedback=True   (demonstration + feedback)
     sdpo_demo  --algo=sdpo   (the preset: demonstrations only, the paper's selected configuration)
     hybrid     --algo=hybrid --algo.lam=0.9   (A = 0.9 A_grpo + 0.1 A_sdpo)
+    sdpo_token_masked  sdpo_demo, --sdpo.distill=token --train.mask_truncated=True
+    hybrid_routed      hybrid, --sdpo.distill_successes=False (the teacher only on failed samples)
+
+(the last two: the forms the diagnostics pointed to, bench/results/real_model.md)
 
 each `--steps` steps of `--prompts` prompts x `--n` samples at `--temperature`, with the
 held-out success (avg@`--eval_k` at T=0.6, the same rows and sampling seed before and after)
@@ -81,6 +85,9 @@ ALGOS = {
     "sdpo": ["--algo=sdpo", "--sdpo.include_environment_feedback=True"],
     "sdpo_demo": ["--algo=sdpo", "--sdpo.include_environment_feedback=False"],
     "hybrid": ["--algo=hybrid", "--algo.lam=0.9"],
+    "sdpo_token_masked": ["--algo=sdpo", "--sdpo.include_environment_feedback=False", "--sdpo.distill=token",
+                          "--train.mask_truncated=True"],
+    "hybrid_routed": ["--algo=hybrid", "--algo.lam=0.9", "--sdpo.distill_successes=False"],
 }
 SPLIT = ("time/rollout_s", "time/teacher_s", "time/train_s", "sync/seconds", "time/step_s")
 TEACHER_GAP = "sdpo/teacher_minus_student_entropy"  # SDPO's early warning (logger.FLAT_TEACHER_METRIC)
@@ -169,13 +176,13 @@ def teacher_gap_result(common: list[str], rows: int, out: str) -> str:
 
 
 def algo_result(algo: str, seed: int, common: list[str], steps_n: int, out: str, summarize: bool = False,
-                baseline: str = "") -> dict:
+                baseline: str = "", reuse: bool = False) -> dict:
     """The figures of one training run with evaluations before and after (summarize: of the
     run already in out, without running it again; baseline: an earlier run's directory whose
     step-0 evaluation, of the same model and rows, stands for this run's)."""
     name = algo if seed == 0 else f"{algo}-seed{seed}"
     run_dir = os.path.join(out, name)
-    if summarize:
+    if summarize or (reuse and os.path.exists(os.path.join(run_dir, "bench.json"))):
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f]
         with open(os.path.join(run_dir, "bench.json")) as f:
@@ -283,7 +290,7 @@ def verdicts(results: list[dict]) -> list[str]:
     if "grpo" in by:
         g, s = by["grpo"]
         out.append(f"target grpo gain > 2 SE: {'yes' if g > 2 * s else 'NO'} ({100 * g:+.1f} vs 2 x {100 * s:.1f})")
-        sdpos = {a: by[a] for a in ("sdpo", "sdpo_demo", "hybrid") if a in by}
+        sdpos = {a: by[a] for a in ALGOS if a != "grpo" and a in by}
         if sdpos:
             best = max(sdpos, key=lambda a: sdpos[a][0])
             ok = sdpos[best][0] >= g - s
@@ -325,6 +332,9 @@ def main():
                         help=f"of {','.join(ALGOS)} (sdpo, with feedback, adds ~17 min)")
     parser.add_argument("--teacher_gap", action="store_true", help="first run --eval_only --teacher_gap")
     parser.add_argument("--teacher_gap_rows", type=int, default=40)
+    parser.add_argument("--reuse", action="store_true",
+                        help="read a run already finished in --out (its bench.json written) instead of running it "
+                             "again: add an objective to earlier runs, paired with them")
     parser.add_argument("--summarize", action="store_true",
                         help="only print the figures of the runs already in --out (run with this script)")
     args, extra = parser.parse_known_args()
@@ -351,7 +361,8 @@ def main():
     results, baseline = [], ""
     for seed in [int(s) for s in args.seeds.split(",")]:
         for algo in algos:
-            results.append(algo_result(algo, seed, common, args.steps, out, args.summarize, baseline))
+            results.append(algo_result(algo, seed, common, args.steps, out, args.summarize, baseline,
+                                       args.reuse))
             # the first run's step-0 evaluation serves the others: the same model, rows and sampling seed
             baseline = baseline or os.path.join(out, algo if seed == 0 else f"{algo}-seed{seed}")
     header = (f"{'objective':>12} {'before':>6} {'after':>6} {'gain':>6} {'SE':>5} {'truncated':>12} "

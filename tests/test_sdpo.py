@@ -104,6 +104,24 @@ def test_hand_batch_defaults(tok):
         assert out.prompt_lens[i] == len(prompt)
 
 
+def test_routing_gives_successes_no_teacher_context(tok):
+    """--sdpo.distill_successes=False: samples 2 and 4 (rewards 1.0 and 0.5, at the threshold)
+    and 1 lose their context; the failed ones keep the demonstrations the successes give and
+    their feedback, exactly as by default (their teacher prompts unchanged)."""
+    default, _ = run(tok)
+    out, ids = run(tok, distill_successes=False)
+    assert out.demo_index == [2, None, None, 1, None, 2, None, None]
+    assert out.mask == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    assert out.metrics["sdpo/teacher_coverage"] == 4 / 8
+    for i in (0, 3, 5, 7):
+        assert out.input_ids[i] == default.input_ids[i]
+    assert teacher_text(tok, out, 2) == chatml(("system", "Be brief."), ("user", "What is 2 + 3?"))
+    # a success with feedback gets none either (reward 1.0, feedback "good")
+    batch = [(ROW_B, "Answer: 3", 1.0, "good"), (ROW_B, "Answer: 4", 0.0, "")]
+    assert run(tok, batch, distill_successes=False, dont_reprompt_on_self_success=True)[0].mask == [0.0, 1.0]
+    assert run(tok, batch)[0].mask == [1.0, 1.0]  # by default its own feedback teaches it
+
+
 def test_response_ids_appended_unchanged(tok):
     """A non-canonical tokenisation (one token per character) must survive as is."""
     out, _ = run(tok)
@@ -258,6 +276,7 @@ def test_config_defaults_match_spec():
     assert dataclasses.asdict(cfg) == {
         "success_threshold": 0.5,
         "dont_reprompt_on_self_success": True,
+        "distill_successes": True,  # ours (routing off): the paper distils every sample with a context
         "remove_thinking_from_demonstration": True,
         "include_environment_feedback": False,  # the paper's runs without rich feedback; tiny_models.py: True
         "environment_feedback_only_without_solution": True,
