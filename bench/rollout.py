@@ -60,7 +60,7 @@ SIGMAS = (0.05, 0.1, 0.2, 0.3)  # noise added to every weight of the tiny model 
 
 
 def state_of(model):
-    """The full HF-named state dict a sync sends, as rollout.full_state_dict builds it on one rank."""
+    """The full HF-named state dict a sync sends, as sync.full_state_dict builds it on one rank."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
     state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state

@@ -81,9 +81,9 @@ def main(out_dir, model_dir, d):
 
     state = full_state_dict(policy, world)  # every rank takes part; rank 0 gets the tensors
     result["state_keys"] = sorted(state)
-    sync = run.rank0_call(d, lambda: engine.update_weights(state, probe, after, tol=1e-4))
-    result["probe_max_abs_diff"] = sync.probe_max_abs_diff
-    result["sync_s"] = sync.seconds
+    synced = run.rank0_call(d, lambda: engine.update_weights(state, probe, after, tol=1e-4))
+    result["probe_max_abs_diff"] = synced.probe_max_abs_diff
+    result["sync_s"] = synced.seconds
     if rank == 0:
         result["engine_after"] = engine.score([probe])[0]
 
