@@ -662,6 +662,17 @@ def test_prepare_rollouts_scores_advantages_and_teacher_contexts(tokenizer):
     assert [r.advantage for r in rollouts] == pytest.approx([-1 / 3 / std, 2 / 3 / std, -1 / 3 / std, 0, 0, 0],
                                                             abs=1e-5)
     assert metrics["reward/success_rate"] == pytest.approx(sum(r.reward >= 0.5 for r in rollouts) / 6)
+    # --sdpo.distill_successes=False: the success, shown its own answer, would be distilled; routed it
+    # is not (its hybrid advantage is GRPO's alone), and nothing else changes
+    flags = ["--algo=hybrid", "--rollout.n=3", "--sdpo.dont_reprompt_on_self_success=False"]
+    shown, _ = run.prepare_rollouts(engine, tokenizer, rows, run.parse_config(flags), OBJECTIVES["hybrid"], 0)
+    routed, _ = run.prepare_rollouts(engine, tokenizer, rows, run.parse_config(flags + ["--sdpo.distill_successes=False"]),
+                                     OBJECTIVES["hybrid"], 0)
+    assert [r.sdpo_mask for r in shown] == [1.0] * 6
+    assert [r.sdpo_mask for r in routed] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [r.teacher_context for r in routed] == ["demonstration", "", "demonstration"] + ["feedback"] * 3
+    assert [r.advantage for r in routed] == [r.advantage for r in shown]
+    assert [r.teacher_ids for i, r in enumerate(routed) if i != 1] == [r.teacher_ids for i, r in enumerate(shown) if i != 1]
 
 
 def test_samples_log_holds_one_sample_per_prompt_with_reward_and_feedback(tokenizer, tmp_path):
