@@ -41,6 +41,7 @@ sizes, sampled every 2 s) and the warnings the run printed. Prints a line per fi
     RESULT algo=grpo seed=0 steps=... success_before=... success_after=... gain=... gain_se=... ...
     ...
     RESULT real_model=smollm2-135m grpo_gain=... grpo_gain_se=... sdpo_gain=... sdpo_demo_gain=... hybrid_gain=...
+    RESULT sdpo_best=... sdpo_best_minus_grpo=... sdpo_best_minus_grpo_se=... seeds=... within_1_se=...
 
 (the last line: means over the seeds run; the SE then is the per-seed SEs combined,
 sqrt(sum se^2) / seeds), and the issue's targets checked (GRPO's gain > 2 SE; the best SDPO
@@ -278,6 +279,34 @@ def summary_line(results: list[dict]) -> str:
     return " ".join(parts)
 
 
+def minus_grpo(results: list[dict], algo: str) -> list[tuple]:
+    """(seed, algo's final success minus GRPO's, its SE) per seed with both runs, paired on the
+    held-out rows (the runs share their step-0 evaluation and sampling seed)."""
+    finals = {(r["algo"], r["seed"]): r["final_rows"] for r in results if r["final_rows"]}
+    return [(seed, *paired_gain(finals[(algo, seed)], finals[("grpo", seed)]))
+            for seed in sorted({r["seed"] for r in results})
+            if (algo, seed) in finals and ("grpo", seed) in finals
+            and len(finals[(algo, seed)]) == len(finals[("grpo", seed)])]
+
+
+def best_minus_grpo_line(results: list[dict]) -> str:
+    """RESULT sdpo_best_minus_grpo: the SDPO form with the best mean gain, minus GRPO at the end,
+    paired per seed, then averaged over the seeds (SE: the seeds' SEs in quadrature / seeds)."""
+    gains = {}
+    for r in results:
+        if r["algo"] != "grpo":
+            gains.setdefault(r["algo"], []).append(r["gain"])
+    candidates = [a for a in gains if minus_grpo(results, a)]
+    if not candidates:
+        return ""
+    best = max(candidates, key=lambda a: sum(gains[a]) / len(gains[a]))
+    diffs = minus_grpo(results, best)
+    mean = sum(d for _, d, _ in diffs) / len(diffs)
+    se = math.sqrt(sum(e ** 2 for _, _, e in diffs)) / len(diffs)
+    return (f"RESULT sdpo_best={best} sdpo_best_minus_grpo={mean:.4f} sdpo_best_minus_grpo_se={se:.4f} "
+            f"seeds={len(diffs)} within_1_se={'yes' if mean >= -se else 'no'}")
+
+
 def verdicts(results: list[dict]) -> list[str]:
     """The issue's targets, checked: GRPO gains > 2 SE; the best SDPO form >= GRPO - 1 SE; nothing loses > 2 SE."""
     by = {}
@@ -297,13 +326,11 @@ def verdicts(results: list[dict]) -> list[str]:
             out.append(f"target best SDPO form ({best}, {100 * sdpos[best][0]:+.1f}) >= grpo - 1 SE "
                        f"({100 * (g - s):+.1f}): {'yes' if ok else 'NO'}")
             # the runs share their step-0 evaluation: their final ones pair row by row too
-            finals = {r["algo"]: r["final_rows"] for r in results
-                      if r["seed"] == results[0]["seed"] and r["final_rows"]}
             for algo in sdpos:
-                if algo in finals and "grpo" in finals and len(finals[algo]) == len(finals["grpo"]):
-                    diff, diff_se = paired_gain(finals[algo], finals["grpo"])
+                diffs = minus_grpo(results, algo)
+                if diffs:
                     out.append(f"{algo} - grpo at the end, paired on the same rows: "
-                               f"{100 * diff:+.1f} ± {100 * diff_se:.1f}")
+                               + ", ".join(f"{100 * d:+.1f} ± {100 * e:.1f} (seed {seed})" for seed, d, e in diffs))
     for algo, (g, s) in by.items():
         if g < -2 * s:
             out.append(f"target no loss > 2 SE: NO, {algo} {100 * g:+.1f} ± {100 * s:.1f}")
@@ -373,7 +400,8 @@ def main():
           f"teacher-minus-student token entropy, mean over steps\n{header}\n" + "\n".join(row(r) for r in results))
     print(f"total {time.time() - t_start:.0f}s")
     print("\n".join(verdicts(results)))
-    print("\n".join(lines + [result_line(r) for r in results] + [summary_line(results)]), flush=True)
+    print("\n".join(lines + [result_line(r) for r in results] + [summary_line(results)]
+                    + [line for line in [best_minus_grpo_line(results)] if line]), flush=True)
 
 
 if __name__ == "__main__":
