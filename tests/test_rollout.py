@@ -22,7 +22,7 @@ import torch
 
 import data
 import rollout
-import sync
+from sync import probe_ids  # not `import sync`: this file's sync() helper takes that name
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +93,7 @@ def long_prompt(tokenizer):
 
 @pytest.fixture(scope="module")
 def probe(tokenizer):
-    return sync.probe_ids(tokenizer)
+    return probe_ids(tokenizer)
 
 
 def state_of(model):
