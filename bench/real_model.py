@@ -267,16 +267,20 @@ def result_line(r: dict) -> str:
             + f" other_s={r['other_s']:.0f} wall_s={r['wall_s']:.0f} peak_tree_gb={r['peak_gb']:.2f}")
 
 
+def mean_over_seeds(pairs: list[tuple]) -> tuple[float, float]:
+    """(mean, SE) of per-seed (value, SE) pairs: the SEs combined, sqrt(sum se^2) / seeds."""
+    return (sum(v for v, _ in pairs) / len(pairs), math.sqrt(sum(e ** 2 for _, e in pairs)) / len(pairs))
+
+
+def gains_by_algo(results: list[dict]) -> dict:
+    """{algo: (mean gain, SE)} over the seeds run, in ALGOS order."""
+    return {algo: mean_over_seeds([(r["gain"], r["gain_se"]) for r in results if r["algo"] == algo])
+            for algo in ALGOS if any(r["algo"] == algo for r in results)}
+
+
 def summary_line(results: list[dict]) -> str:
-    parts = ["RESULT real_model=smollm2-135m"]
-    for algo in ALGOS:
-        runs = [r for r in results if r["algo"] == algo]
-        if not runs:
-            continue
-        gain = sum(r["gain"] for r in runs) / len(runs)
-        se = math.sqrt(sum(r["gain_se"] ** 2 for r in runs)) / len(runs)
-        parts.append(f"{algo}_gain={gain:.4f} {algo}_gain_se={se:.4f}")
-    return " ".join(parts)
+    return " ".join(["RESULT real_model=smollm2-135m"] + [f"{algo}_gain={g:.4f} {algo}_gain_se={se:.4f}"
+                                                          for algo, (g, se) in gains_by_algo(results).items()])
 
 
 def minus_grpo(results: list[dict], algo: str) -> list[tuple]:
@@ -292,29 +296,20 @@ def minus_grpo(results: list[dict], algo: str) -> list[tuple]:
 def best_minus_grpo_line(results: list[dict]) -> str:
     """RESULT sdpo_best_minus_grpo: the SDPO form with the best mean gain, minus GRPO at the end,
     paired per seed, then averaged over the seeds (SE: the seeds' SEs in quadrature / seeds)."""
-    gains = {}
-    for r in results:
-        if r["algo"] != "grpo":
-            gains.setdefault(r["algo"], []).append(r["gain"])
-    candidates = [a for a in gains if minus_grpo(results, a)]
+    gains = gains_by_algo(results)
+    candidates = [a for a in gains if a != "grpo" and minus_grpo(results, a)]
     if not candidates:
         return ""
-    best = max(candidates, key=lambda a: sum(gains[a]) / len(gains[a]))
+    best = max(candidates, key=lambda a: gains[a][0])
     diffs = minus_grpo(results, best)
-    mean = sum(d for _, d, _ in diffs) / len(diffs)
-    se = math.sqrt(sum(e ** 2 for _, _, e in diffs)) / len(diffs)
+    mean, se = mean_over_seeds([(d, e) for _, d, e in diffs])
     return (f"RESULT sdpo_best={best} sdpo_best_minus_grpo={mean:.4f} sdpo_best_minus_grpo_se={se:.4f} "
             f"seeds={len(diffs)} within_1_se={'yes' if mean >= -se else 'no'}")
 
 
 def verdicts(results: list[dict]) -> list[str]:
     """The issue's targets, checked: GRPO gains > 2 SE; the best SDPO form >= GRPO - 1 SE; nothing loses > 2 SE."""
-    by = {}
-    for algo in ALGOS:
-        runs = [r for r in results if r["algo"] == algo]
-        if runs:
-            by[algo] = (sum(r["gain"] for r in runs) / len(runs),
-                        math.sqrt(sum(r["gain_se"] ** 2 for r in runs)) / len(runs))
+    by = gains_by_algo(results)
     out = []
     if "grpo" in by:
         g, s = by["grpo"]
