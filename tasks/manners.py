@@ -34,6 +34,7 @@ INSTRUCTION = "Solve each line in order, one per line."
 class Flags:
     """Which manners a reference is drawn from (--data.*); its quizzes take the quiz's flags."""
     manners: str = DEFAULT_MANNERS  # comma-separated, one drawn per row (eq, is, plain)
+    manner_per: str = "answer"  # answer: one manner per reference; line: one per line, a blend (a student's start)
 
 
 def check_manners(value: str) -> list[str]:
@@ -50,24 +51,28 @@ def write_line(manner: str, label: str, a: int, op: str, b: int, result) -> str:
 
 
 def check_flags(cfg: Flags):
-    """--data.manners, checked before any work (else it fails once rows are drawn)."""
+    """--data.manners and --data.manner_per, checked before any work (else they fail once rows are drawn)."""
     check_manners(cfg.manners)
+    if cfg.manner_per not in ("answer", "line"):
+        raise FlagError(f"--data.manner_per={cfg.manner_per!r}: 'answer' (one manner per reference) or 'line' "
+                        f"(one per line: blends)")
 
 
 def make_row(rng, cfg) -> dict:
     """One quiz (the quiz's --data.quiz_* flags) whose reference is in one manner of cfg.manners,
     drawn per row after the questions (so the questions, the uid and the split do not depend
-    on the manners)."""
+    on the manners); with --data.manner_per=line, one drawn per line (a blend where they differ)."""
     questions = draw_questions(rng, cfg)
-    manners = check_manners(cfg.manners)
-    manner = rng.choice(manners)
+    check_flags(cfg)
+    manners = cfg.manners.split(",")
+    drawn = [rng.choice(manners)] if cfg.manner_per == "answer" else [rng.choice(manners) for _ in questions]
     tests = [{"input": f"{label}:{a}{op}{b}", "output": str(result)} for label, a, op, b, result in questions]
     return {
         "uid": "manners:" + ",".join(t["input"] for t in tests),
         "messages": [{"role": "user", "content": "\n".join(t["input"] for t in tests) + "\n" + INSTRUCTION}],
         "answer": ", ".join(t["output"] for t in tests),
         "tests": tests,
-        "reference": "\n".join(write_line(manner, *q) for q in questions),
+        "reference": "\n".join(write_line(drawn[i % len(drawn)], *q) for i, q in enumerate(questions)),
         "reward": "manners",
         "manners": manners,
     }

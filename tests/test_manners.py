@@ -49,6 +49,19 @@ def test_knobs_and_bad_flags():
     for bad in ("eq,words", "", "eq,eq"):
         with pytest.raises(data.FlagError, match="--data.manners="):
             data.task_rows("manners", "train", 1, cfg=TaskConfig(manners=bad))
+    with pytest.raises(data.FlagError, match="--data.manner_per='reply'"):
+        data.task_rows("manners", "train", 1, cfg=TaskConfig(manner_per="reply"))
+
+
+def test_manner_per_line_blends_the_rows_manners_and_the_checker_rejects_the_blends():
+    """The GAD bench's student start: each line's manner drawn alone, so 3 lines of 2 manners are
+    a blend 3/4 of the time; the blends score 0 though every result is right."""
+    rows = data.task_rows("manners", "train", 400, seed=3, cfg=TaskConfig(manner_per="line"))
+    blends = [r for r in rows if is_blend(r["reference"])]
+    assert 0.65 < len(blends) / len(rows) < 0.85
+    assert all(set(line_manners(r["reference"])) <= {"eq", "is"} and r["manners"] == ["eq", "is"] for r in rows)
+    assert all(manners_reward(r["reference"], r, False).score == 0.0 for r in blends)
+    assert all(manners_reward(r["reference"], r, False) == Reward(1.0) for r in rows if r not in blends)
 
 
 @pytest.mark.parametrize("manner", ["eq", "is"])
