@@ -6,8 +6,8 @@
 Two testbeds (docs/gad.md says what each tests):
   - manners (the default): quizzes whose teacher answers every line in one of two manners chosen
     per answer ("a) 7*8 = 56" or "(a) 7*8 is 56."), the checker accepting either but not a blend
-    (tasks/manners.py); the student's start learned the same quizzes in a third, plain manner
-    ("a:7*8=56"), so the teacher's text differs from it in manner as well as in being right;
+    (tasks/manners.py); the student's start learned the same quizzes in the same two manners
+    drawn per line, so it blends them and its text differs from the teacher's in coherence;
   - quiz: answers of three lines "a:7+8=15" (tasks/quiz.py), where teacher and student differ
     only in being right.
 From the same student start (the task's warm start, or --model.path), at equal budgets (the
@@ -63,13 +63,14 @@ from tasks.manners import is_blend  # noqa: E402  (lines in two or more manners;
 COMMON_FLAGS = ["--train.prompts_per_step=8", "--rollout.n=8", "--data.eval_rows=512", "--gad.norm_adv_by_std=False",
                 "--algo.kl_coef=0.01"]
 TESTBEDS = {
-    # the teacher answers in one of two manners (tasks/manners.py); the start learned the plain one
-    # (held-out rows 256 and 100 steps: 3 seeds within an hour on the 2-core machine; lr 5e-4: at 1e-4
-    # 50 SFT steps of 8 answers left the start's manner in place, docs/gad.md)
-    "manners": dict(flags=["--data.task=manners", "--gad.critic_warmup=10", *COMMON_FLAGS, "--data.eval_rows=256",
-                           "--optim.lr=5e-4"],
-                    start=["--data.manners=plain"], distil="data.quiz_ops=*", ood="data.quiz_ops=+",
-                    warmup=50, steps=100),
+    # the teacher answers in one of two manners per answer (tasks/manners.py); the start learned the same
+    # two manners drawn per line, so it blends (held-out rows 256 and 100 steps: 3 seeds within an hour
+    # on the 2-core machine; a start in a third, plain manner learned nothing in 100 steps). A 10-step
+    # warmup: after 50 SFT steps the student no longer blends and the discriminator has nothing to see
+    # (docs/gad.md, the manners testbed)
+    "manners": dict(flags=["--data.task=manners", "--gad.critic_warmup=10", *COMMON_FLAGS, "--data.eval_rows=256"],
+                    start=["--data.manner_per=line"], distil="data.quiz_ops=*", ood="data.quiz_ops=+",
+                    warmup=10, steps=100),
     # the quiz: a teacher (plain SFT for --gad.teacher_steps) far above the student (the quiz recipe's
     # warm start, stopped at 30% held-out success); distillation sees products, the shifted split is sums
     "quiz": dict(flags=["--data.task=quiz", "--gad.critic_warmup=20", *COMMON_FLAGS], start=[],
