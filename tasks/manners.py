@@ -65,14 +65,15 @@ def make_row(rng, cfg) -> dict:
     questions = draw_questions(rng, cfg)
     check_flags(cfg)
     manners = cfg.manners.split(",")
-    drawn = [rng.choice(manners)] if cfg.manner_per == "answer" else [rng.choice(manners) for _ in questions]
+    drawn = ([rng.choice(manners) for _ in questions] if cfg.manner_per == "line"
+             else [rng.choice(manners)] * len(questions))  # one manner per line
     tests = [{"input": f"{label}:{a}{op}{b}", "output": str(result)} for label, a, op, b, result in questions]
     return {
         "uid": "manners:" + ",".join(t["input"] for t in tests),
         "messages": [{"role": "user", "content": "\n".join(t["input"] for t in tests) + "\n" + INSTRUCTION}],
         "answer": ", ".join(t["output"] for t in tests),
         "tests": tests,
-        "reference": "\n".join(write_line(drawn[i % len(drawn)], *q) for i, q in enumerate(questions)),
+        "reference": "\n".join(write_line(manner, *q) for manner, q in zip(drawn, questions)),
         "reward": "manners",
         "manners": manners,
     }
