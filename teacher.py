@@ -77,17 +77,14 @@ class Teacher:
         chunks = [range(i, min(i + micro_batch, n)) for i in range(0, n, micro_batch)]
         parts = []
         for part in chunks + [range(0)] * max(calls - len(chunks), 0):
-            if self.kind == "live":
-                parts.append(forward(policy, part, _hidden_only))
-            elif self.kind == "trust-region":
+            if self.kind == "trust-region":
                 ref = forward(self.copy, part, _hidden_only)
                 student = forward(policy, part, _hidden_only)
                 parts.append(torch.cat([(1 - self.rate) * ref.float(), self.rate * student.float()], dim=-1))
             else:
-                parts.append(forward(self.copy, part, _hidden_only))
+                parts.append(forward(policy if self.kind == "live" else self.copy, part, _hidden_only))
         parts = parts[:len(chunks)]
-        if self.copy is not None:
-            reshard(self.copy)
+        reshard(self.copy)  # a no-op for the live teacher's None
         return torch.cat(parts) if parts else torch.zeros(0)
 
     def hidden_size(self, policy) -> int:
