@@ -287,8 +287,7 @@ def kl_estimate(logprobs, ref_logprobs, kind="k3"):
     The "+" forms' gradient d * grad logp is, on tokens sampled from pi, in expectation the
     gradient of KL(pi || ref); their value is the named estimator's, for logging.
     """
-    straight_through = kind.endswith("+")
-    base = kind[:-1] if straight_through else kind
+    base = kind.removesuffix("+")
     log_ratio = logprobs - ref_logprobs.detach()
     if base == "k1":
         value = log_ratio
@@ -302,7 +301,7 @@ def kl_estimate(logprobs, ref_logprobs, kind="k3"):
         value = (torch.expm1(neg_log_ratio) - neg_log_ratio).clamp(0.0, K3_VALUE_CLAMP)
     else:
         raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_KINDS}, optionally with '+'")
-    if not straight_through:
+    if base == kind:
         return value
     k2 = 0.5 * log_ratio.square()
     return k2 + (value - k2).detach()
@@ -317,7 +316,7 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen=None, ref_rejected=None,
     """DPO family per pair. Inputs [P]: summed response log-probs of the
     chosen / rejected responses under the policy and the reference.
 
-        logits = (pi_c - pi_r) - (ref_c - ref_r)        (ref term dropped if reference_free)
+        logits = (pi_c - pi_r) - (ref_c - ref_r)        (ref = 0 if reference_free)
         sigmoid  -(1-eps) logsigmoid(beta logits) - eps logsigmoid(-beta logits)
         ipo      (logits - 1/(2 beta))^2
         hinge    relu(1 - beta logits)
@@ -327,16 +326,11 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen=None, ref_rejected=None,
     that is the caller's choice of inputs. Returns (losses [P], chosen_rewards [P],
     rejected_rewards [P]) with rewards = beta * (pi - ref), detached, for logging.
     """
-    policy_margin = policy_chosen - policy_rejected
     if reference_free:
-        ref_margin = torch.zeros_like(policy_margin)
-        ref_chosen = torch.zeros_like(policy_chosen) if ref_chosen is None else ref_chosen
-        ref_rejected = torch.zeros_like(policy_rejected) if ref_rejected is None else ref_rejected
-    else:
-        if ref_chosen is None or ref_rejected is None:
-            raise ValueError("ref_chosen and ref_rejected are required unless reference_free")
-        ref_margin = ref_chosen - ref_rejected
-    logits = policy_margin - ref_margin.detach()
+        ref_chosen, ref_rejected = torch.zeros_like(policy_chosen), torch.zeros_like(policy_rejected)
+    elif ref_chosen is None or ref_rejected is None:
+        raise ValueError("ref_chosen and ref_rejected are required unless reference_free")
+    logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected).detach()
     eps = label_smoothing
     if kind == "sigmoid":
         losses = -(1.0 - eps) * F.logsigmoid(beta * logits) - eps * F.logsigmoid(-beta * logits)
