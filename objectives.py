@@ -399,11 +399,10 @@ def dpo_loss(mb: MicroBatch, models: Models, cfg):
     dp = cfg.dpo
     logprobs, entropy = policy_logprobs(mb, models, cfg)
     policy = sequence_logprobs(mb.matrix(logprobs), mb.per_sequence(lambda r: len(r.response_ids)), cfg)
-    reference = None if dp.reference_free else mb.per_sequence(lambda r: r.reference_logprob)
+    reference = mb.per_sequence(lambda r: r.reference_logprob)  # ignored with --dpo.reference_free
     chosen, rejected = (i.to(mb.device) for i in pair_positions(mb.rollouts))
-    pick = lambda values, at: None if values is None else values[at]
     pair_losses, chosen_rewards, rejected_rewards = losses.dpo_loss(
-        policy[chosen], policy[rejected], pick(reference, chosen), pick(reference, rejected), beta=dp.beta,
+        policy[chosen], policy[rejected], reference[chosen], reference[rejected], beta=dp.beta,
         kind=dp.loss_type, label_smoothing=dp.label_smoothing, reference_free=dp.reference_free)
     pairs = float(len(chosen))
     sampled = torch.cat([torch.full((len(r.response_ids),), float(r.generated), device=mb.device)
@@ -437,10 +436,9 @@ def prepare_teacher_responses(rollouts: list, tokenizer, cfg) -> dict:
     the row's teacher_response, tokenised, ending with the token the engine's finished
     responses end with (a last-token discriminator would otherwise learn the EOS difference)."""
     eos = engine_eos(rollouts, tokenizer)
-    groups = prompt_groups(rollouts)
-    for group in groups:
-        rollouts.append(reference_rollout(group, tokenizer, eos, f"--algo {cfg.algo.name}", "teacher_response"))
-    teachers = rollouts[len(rollouts) - len(groups):]
+    teachers = [reference_rollout(group, tokenizer, eos, f"--algo {cfg.algo.name}", "teacher_response")
+                for group in prompt_groups(rollouts)]
+    rollouts.extend(teachers)
     return {"gad/teacher_length": sum(len(r.response_ids) for r in teachers) / max(len(teachers), 1)}
 
 
