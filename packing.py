@@ -7,11 +7,12 @@ samples of a prompt share it, the prompt laid out once (pack_shared_prefix).
 import os
 from dataclasses import dataclass
 
+import torch
+
 
 def pad(seqs: list[list[int]], pad_id: int, min_width: int = 0, left: bool = True):
     """Padded [B, L] input ids and attention mask (LongTensor): on the left for prompt
     batches, on the right (left=False) for rows that continue a left-padded batch's cache."""
-    import torch
     width = max(max(len(s) for s in seqs), min_width)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -27,7 +28,6 @@ def pack_responses(seqs: list[list[int]], response_lens: list[int], pad_id: int,
     """Right-padded batch of prompt+response sequences, and where their responses are:
     (input_ids [B, L], attention_mask [B, L], hidden_index [N], targets [N], token_index [N]),
     as in Packed; R = max response length, N = sum(response_lens)."""
-    import torch
     width, resp_width = max(len(s) for s in seqs), max(max(response_lens), 1)
     hidden_index, token_index, targets = [], [], []
     for b, (s, r) in enumerate(zip(seqs, response_lens)):
@@ -56,15 +56,15 @@ class Packed:
     expanded image tokens; image_mask [B, L]: True at those tokens (not at image tokens the
     model generated). The model turns them into pixel inputs (ImagePrompts.pixel_inputs).
     """
-    input_ids: "torch.Tensor"
-    attention_mask: "torch.Tensor"
-    hidden_index: "torch.Tensor"
-    targets: "torch.Tensor"
-    token_index: "torch.Tensor"
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    hidden_index: torch.Tensor
+    targets: torch.Tensor
+    token_index: torch.Tensor
     shape: tuple
     prefix: list | None = None
     images: list | None = None
-    image_mask: "torch.Tensor | None" = None
+    image_mask: torch.Tensor | None = None
 
 
 def pack(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="cpu", images: list | None = None,
@@ -74,7 +74,6 @@ def pack(seqs: list[list[int]], response_lens: list[int], pad_id: int, device="c
     ids, mask, hidden_index, targets, token_index = pack_responses(seqs, response_lens, pad_id, device)
     packed = Packed(ids, mask, hidden_index, targets, token_index, (len(seqs), max(max(response_lens), 1)))
     if images and any(images):
-        import torch
         packed.images = [list(im or []) for im in images]
         packed.image_mask = torch.zeros_like(ids, dtype=torch.bool)
         for b, m in enumerate(image_masks):
@@ -93,7 +92,6 @@ def pack_shared_prefix(seqs: list[list[int]], response_lens: list[int], pad_id: 
     the question and differ in demonstration and feedback): the distinct prompts of a group
     then run their longest common prefix once, then each its rest, right-padded: a chain of
     two prefix levels (what it saves: docs/loop.md)."""
-    import torch
     prompts, row, keys = {}, [], {}
     for s, r, g in zip(seqs, response_lens, groups or [None] * len(seqs)):
         row.append(prompts.setdefault(tuple(s[:len(s) - r - 1]), len(prompts)))
