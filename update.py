@@ -20,9 +20,8 @@ from policy import CausalLM, Trainer
 
 def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step: int, pad_id: int, d: Dist,
                   teacher_done=None):
-    """One rollout batch's update: --train.mini_batches optimizer steps, each accumulating this
-    rank's micro-batches. Returns (metrics, whether any optimizer step was taken). teacher_done()
-    is called once the teacher's hidden states are computed, before the first gradient pass.
+    """Returns (metrics, whether any optimizer step was taken). teacher_done() is called once the
+    teacher's hidden states are computed, before the first gradient pass.
 
     An optimizer step with nothing to learn from is skipped (docs/loop.md, One step): no counted
     token, no rollout whose loss can have a gradient (objective.moves), or a zero gradient."""
@@ -151,7 +150,7 @@ def mini_batch_units(rollouts: list, objective, shuffle_samples: bool = False) -
     sample alone unless the objective compares siblings (keep_prompts_together, e.g. preference
     pairs). With counted_only, uncounted rollouts are left out; a unit may then be empty, so
     that the mini-batches still split the step's prompts the same way whatever their counts."""
-    keep = (lambda i: objective.counted(rollouts[i])) if objective.counted_only else (lambda i: True)
+    keep = lambda i: not objective.counted_only or objective.counted(rollouts[i])
     if shuffle_samples and not objective.keep_prompts_together:
         return [[i] if keep(i) else [] for i in range(len(rollouts))]
     groups = {}
@@ -173,12 +172,12 @@ def pack_units(units: list[list[int]], size: int, lengths: list | None = None, t
     """Consecutive units in micro-batches of at most `size` sequences and, with lengths (each
     unit's longest sequence), at most token_budget padded tokens (a larger unit alone)."""
     out, current, width = [], [], 0
-    for k, unit in enumerate(units):
-        grown = max(width, lengths[k]) if lengths else 0
+    for unit, length in zip(units, lengths or [0] * len(units)):
+        grown = max(width, length)
         rows = len(current) + len(unit)
         if current and (rows > size or (token_budget and rows * grown > token_budget)):
             out.append(current)
-            current, grown = [], lengths[k] if lengths else 0
+            current, grown = [], length
         current, width = current + unit, grown
     return out + ([current] if current else [])
 
