@@ -161,11 +161,9 @@ def idle_forward(model, pad_id: int, device, head, shared_prefix: bool = False, 
 
 
 def share_prompts(cfg) -> bool:
-    """Whether a forward of the policy or reference runs a prompt that several of its
-    rollouts share once (--train.share_prompt_prefix): the old and reference log-probs, and
-    an unsharded policy's gradient forward, whose prompt KV cache then takes the gradient of
-    every sequence that reads it (the same gradient to float32 rounding; what it saves:
-    docs/results.md). HF drops the KV cache under gradient checkpointing."""
+    """Whether a forward of the policy or reference runs a prompt that several of its rollouts
+    share once (--train.share_prompt_prefix; which forwards, and why not under FSDP2:
+    docs/loop.md, One step). HF drops the KV cache under gradient checkpointing."""
     return cfg.train.share_prompt_prefix and not cfg.model.gradient_checkpointing
 
 
