@@ -281,9 +281,7 @@ def sdpo_topk_loss_from_hidden(student_hidden, student_lm_head_weight, teacher_h
 
 
 class _TokenLogprobsFromHidden(torch.autograd.Function):
-    """Chunked token log-probs and entropies; see token_logprobs_from_hidden. Forward keeps
-    only each row's logsumexp [N, 1]; backward re-runs the head in vocab blocks.
-    """
+    """Chunked token log-probs and entropies; see token_logprobs_from_hidden."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size):

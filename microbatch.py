@@ -1,9 +1,7 @@
 """Rollouts and micro-batches: the types every objective reads, and the forward mechanics they share.
 
-A Rollout is one response and what the objectives write on it; a MicroBatch lays rollouts out for
-one forward/backward with the step's global counts. Statistics are (sum, count) pairs that
-update.reduce_stats averages over micro-batches and ranks; a name ending in "_max" is a maximum
-instead (its count is ignored).
+Statistics are (sum, count) pairs that update.reduce_stats averages over micro-batches and ranks;
+a name ending in "_max" is a maximum instead (its count is ignored).
 """
 import math
 from dataclasses import dataclass, field
