@@ -116,7 +116,7 @@ def accumulate_gradients(cfg: Config, objective, models: Models, rollouts: list,
     return total, finite
 
 
-def rank_micro_batches(units: list, micro_batch: int, d: Dist, lengths: list | None = None,
+def rank_micro_batches(units: list, micro_batch: int, d: Dist, lengths: list,
                        token_budget: int = 0) -> list[list[int]]:
     """This rank's micro-batches (lists of rollout indices) of one optimizer step, padded with
     empty ones to the busiest rank's count: every rank runs as many forward/backward passes
@@ -128,11 +128,10 @@ def rank_micro_batches(units: list, micro_batch: int, d: Dist, lengths: list | N
     longest = lambda unit: max(lengths[i] for i in unit)
     per_rank = []
     for r in range(d.world):
-        share, widths = rank_share(units, r, d.world), None  # by index, so that ranks get alike lengths
+        share = rank_share(units, r, d.world)  # by index, so that ranks get alike lengths
         if token_budget:
             share = sorted(share, key=longest)
-            widths = [longest(u) for u in share]
-        per_rank.append(pack_units(share, micro_batch, widths, token_budget))
+        per_rank.append(pack_units(share, micro_batch, [longest(u) for u in share], token_budget))
     return per_rank[d.rank] + [[]] * (max(max(len(m) for m in per_rank), 1) - len(per_rank[d.rank]))
 
 
