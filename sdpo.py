@@ -67,8 +67,7 @@ def strip_thinking(text: str) -> str:
     if close >= 0 and not (0 <= out.find("<think>") < close):
         out = out[close + len("</think>"):].lstrip()
     out = re.sub(r"<think>.*?</think>\s*", "", out, flags=re.DOTALL)
-    if "<think>" in out:
-        out = out[:out.index("<think>")]
+    out = out.partition("<think>")[0]
     if not out.strip():
         out = text.replace("<think>", "").replace("</think>", "").strip()
     return out
