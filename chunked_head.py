@@ -105,8 +105,12 @@ class _TopKDistillFromHidden(torch.autograd.Function):
         student_buffer, low_precision_buffer = _chunk_buffers(student_hidden, student_weight, chunk_size, work_dtype)
         teacher_buffer = torch.empty_like(student_buffer)
         weighted = token_weights is not None
-        if weighted:
-            grads = _new_grads(ctx, student_hidden, student_weight, work_dtype)
+        if weighted:  # (grad_hidden, grad_weight, a low-precision weight's matmul scratch), where needed
+            need_hidden_grad, need_weight_grad = ctx.needs_input_grad[:2]
+            low_precision = student_weight.dtype != work_dtype
+            grads = (torch.zeros_like(student_hidden, dtype=work_dtype) if need_hidden_grad else None,
+                     torch.zeros_like(student_weight, dtype=work_dtype) if need_weight_grad else None,
+                     torch.empty_like(student_weight) if need_weight_grad and low_precision else None)
         else:
             topk_ids = torch.empty(num_tokens, k, dtype=torch.long, **new)
             student_tops = torch.empty(num_tokens, k, dtype=work_dtype, **new)
@@ -233,16 +237,6 @@ def _chunk_buffers(student_hidden, student_weight, chunk_size, work_dtype):
     if student_hidden.dtype == work_dtype:
         return buffer, None
     return buffer, torch.empty(shape, dtype=student_hidden.dtype, device=student_hidden.device)
-
-
-def _new_grads(ctx, student_hidden, student_weight, work_dtype):
-    """(grad_hidden, grad_weight, weight_scratch) buffers for the inputs that need them."""
-    need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    grad_hidden = torch.zeros_like(student_hidden, dtype=work_dtype) if need_hidden_grad else None
-    grad_weight = torch.zeros_like(student_weight, dtype=work_dtype) if need_weight_grad else None
-    low_precision = student_weight.dtype != work_dtype
-    weight_scratch = torch.empty_like(student_weight) if need_weight_grad and low_precision else None
-    return grad_hidden, grad_weight, weight_scratch
 
 
 def sdpo_topk_loss_from_hidden(student_hidden, student_lm_head_weight, teacher_hidden, teacher_lm_head_weight=None,
