@@ -350,13 +350,6 @@ def prepare_pairs(rollouts: list, tokenizer, cfg) -> dict:
     return {"dpo/pairs": pairs, "dpo/ties_skipped": ties, "dpo/prompts_with_pair": prompts_with_pair / len(groups)}
 
 
-def sequence_logprobs(token_logprobs: torch.Tensor, lengths: torch.Tensor, cfg) -> torch.Tensor:
-    """A response's log-prob [B] from the [B, R] matrix of its tokens' (zeros past the end):
-    the sum, or for IPO the mean over its tokens (as TRL does)."""
-    total = token_logprobs.sum(-1)
-    return total / lengths.clamp(min=1) if cfg.dpo.loss_type == "ipo" else total
-
-
 def reference_token_logprobs(rollouts: list, models: Models, cfg, pad_id: int, d: Dist, metrics: dict) -> list:
     """Each rollout's per-token log-probs under the reference model (all ranks take part; each
     scores a share); the seconds it took go into metrics["time/reference_s"]."""
@@ -398,7 +391,9 @@ def dpo_loss(mb: MicroBatch, models: Models, cfg):
     off-policy, as in TRL's online DPO and verl's SPIN (docs/loop.md)."""
     dp = cfg.dpo
     logprobs, entropy = policy_logprobs(mb, models, cfg)
-    policy = sequence_logprobs(mb.matrix(logprobs), mb.per_sequence(lambda r: len(r.response_ids)), cfg)
+    policy = mb.matrix(logprobs).sum(-1)  # each response's log-prob [B]
+    if dp.loss_type == "ipo":  # the mean over its tokens, as TRL does (so is reference_logprob)
+        policy = policy / mb.per_sequence(lambda r: len(r.response_ids)).clamp(min=1)
     reference = mb.per_sequence(lambda r: r.reference_logprob)  # ignored with --dpo.reference_free
     chosen, rejected = (i.to(mb.device) for i in pair_positions(mb.rollouts))
     pair_losses, chosen_rewards, rejected_rewards = losses.dpo_loss(
