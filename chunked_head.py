@@ -143,7 +143,7 @@ class _TopKDistillFromHidden(torch.autograd.Function):
             _backprop_chunk(softmax_scaled, ids, grad_top, temperature, rows, student_hidden, student_weight, grads,
                             low_precision_buffer)
 
-        ctx.config = (k, alpha, add_tail, temperature, chunk_size, weighted)
+        ctx.config = (alpha, add_tail, temperature, chunk_size, weighted)
         ctx.input_dtypes = (student_hidden.dtype, student_weight.dtype)
         ctx.backward_done = False
         if weighted:
@@ -155,7 +155,7 @@ class _TopKDistillFromHidden(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        k, alpha, add_tail, temperature, chunk_size, weighted = ctx.config
+        alpha, add_tail, temperature, chunk_size, weighted = ctx.config
         if weighted:
             # scaled in place to avoid a second [V, H] buffer, so a second backward
             # through the same graph (retain_graph=True) would be wrong: refuse it
