@@ -91,21 +91,16 @@ def context_text(tokenizer, text: str, keep: tuple[str, ...] = ()) -> str:
     return text
 
 
-def reprompt_text(cfg: SdpoConfig, prompt: str, demonstration: str | None, feedback: str | None) -> str:
-    """The teacher's last user message: the templates filled in (None = field left out)."""
+def reprompt_content(cfg: SdpoConfig, prompt, demonstration: str | None, feedback: str | None):
+    """The teacher's last user message: the templates filled in (None = field left out). A prompt
+    may be a list of parts (a prompt with pictures): the template's text then goes around them,
+    and they stay as they are and in place, so the teacher sees the same pictures."""
     solution = "" if demonstration is None else cfg.solution_template.format(successful_previous_attempt=demonstration)
     fb = "" if feedback is None else cfg.feedback_template.format(feedback_raw=feedback)
-    return cfg.reprompt_template.format(prompt=prompt, solution=solution, feedback=fb)
-
-
-def reprompt_content(cfg: SdpoConfig, prompt, demonstration: str | None, feedback: str | None):
-    """reprompt_text for a message content: a string, or a list of parts (a prompt with
-    pictures), where the template's text goes around the prompt's parts, which stay as they
-    are and in place, so the teacher sees the same pictures."""
     if isinstance(prompt, str):
-        return reprompt_text(cfg, prompt, demonstration, feedback)
+        return cfg.reprompt_template.format(prompt=prompt, solution=solution, feedback=fb)
     marker = "\x00prompt\x00"
-    before, after = reprompt_text(cfg, marker, demonstration, feedback).split(marker)
+    before, after = cfg.reprompt_template.format(prompt=marker, solution=solution, feedback=fb).split(marker)
     parts = [{"type": "text", "text": before}] + list(prompt) + [{"type": "text", "text": after}]
     merged = []
     for part in parts:  # adjacent text parts as one: the render equals the text-only prompt's
