@@ -35,14 +35,10 @@ IMAGE_TASKS = tuple(name for name, task in TASKS.items() if getattr(task, "IMAGE
 
 
 @dataclasses.dataclass
-class SplitFlags:
-    heldout_percent: int = 10  # share of the content hash space that is held out
-
-
-@dataclasses.dataclass
-class TaskConfig(SplitFlags, *reversed([task.Flags for task in TASKS.values()])):  # fields: last base first
+class TaskConfig(*reversed([task.Flags for task in TASKS.values()])):  # fields: last base first
     """Difficulty of the synthetic tasks: every task's Flags, in the table's order, and the split's
     (all flags under --data.*; config.DataConfig extends it)."""
+    heldout_percent: int = 10  # share of the content hash space that is held out
 
 
 def split_of(key: str, heldout_percent: int) -> str:
