@@ -107,7 +107,7 @@ class Critic:
         """train_step's one optimizer step (it does not count in self.steps)."""
         self.model.train()
         mine = list(range(len(groups)))[d.rank::d.world]
-        per_call = max(1, micro_batch // max(1 + max((len(s) for _, _, s in groups), default=1), 1))
+        per_call = max(1, micro_batch // (1 + max((len(s) for _, _, s in groups), default=1)))
         calls = max(1, math.ceil(math.ceil(len(groups) / d.world) / per_call))
         pairs = sum(len(students) for _, _, students in groups)
         # d_loss, teacher above student (pairs whose texts differ), teacher score, student score,
