@@ -74,7 +74,7 @@ def make_row(rng, cfg) -> dict:
         "answer": ", ".join(t["output"] for t in tests),
         "tests": tests,
         "reference": "\n".join(write_line(manner, *q) for manner, q in zip(drawn, questions)),
-        "reward": "manners",
+        "reward": REWARD,
         "manners": manners,
     }
 
