@@ -171,10 +171,10 @@ def context_entropies(engine, tokenizer, rows, cfg: Config, model_dir: str, devi
 
     rollouts = [r for r in rollouts if r.response_ids]
     student = score([r.prompt_ids + r.response_ids for r in rollouts], [len(r.response_ids) for r in rollouts])
-    out = {"eval/entropy_student": float(torch.cat([e for _, e in student]).mean()) if student else 0.0}
+    cat = lambda pairs, k: torch.cat([p[k] for p in pairs])
+    out = {"eval/entropy_student": float(cat(student, 1).mean()) if student else 0.0}
     used = [j for j, r in enumerate(rollouts) if r.sdpo_mask > 0]
     teacher = dict(zip(used, score([rollouts[j].teacher_ids for j in used], [len(rollouts[j].response_ids) for j in used])))
-    cat = lambda pairs, k: torch.cat([p[k] for p in pairs])
     for kind in ("demonstration", "feedback", "any"):
         chosen = [j for j in used if kind in ("any", rollouts[j].teacher_context)]
         if not chosen:
