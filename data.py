@@ -17,6 +17,7 @@ A *row* is a plain dict, the one currency between data, rewards and the training
 """
 import functools
 import gzip
+import itertools
 import json
 import os
 import random
@@ -125,7 +126,7 @@ def _parquet_records(path: str):
         try:
             records = batch.to_pylist()
         except UnicodeDecodeError:  # a string column that is not UTF-8: find the cell
-            for i, name in ((i, name) for i in range(batch.num_rows) for name in batch.schema.names):
+            for i, name in itertools.product(range(batch.num_rows), batch.schema.names):
                 try:
                     batch.column(name)[i].as_py()
                 except UnicodeDecodeError as e:
