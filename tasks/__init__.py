@@ -7,7 +7,7 @@ A task's file holds all of it (docs/data.md, "Adding a task", is a worked exampl
                                  for the file's `reward(response, row, truncated)`, which scores
                                  an answer and says what is wrong without giving the answer
     Flags                        a dataclass of its difficulty knobs, which become --data.* flags
-    RECIPE, RECIPE_BY_ALGO       optional: its flag values on the tiny model (on top of tiny.py's),
+    RECIPE, RECIPE_BY_ALGO       optional: its flag values on the tiny model (on top of tiny_models.RECIPE),
                                  which `--recipe auto` picks for --data.task NAME
     wrong_response(row, rng)     optional: a plausible wrong answer, for the warm start's examples
                                  that show the teacher feedback

@@ -36,12 +36,12 @@ class Flags:
     quiz_feedback: str = FEEDBACK[0]  # a wrong line's feedback: "marks" (b:3*4 is wrong.) or "values" (b:3*4 is not 13.)
 
 
-# The recipe (on top of tiny.py's). Copying what a context shows forms only with half the warm start's
-# examples feedback contexts, its first 300 steps all contexts so that it forms before the facts do;
-# the student's success then climbs steeply, so the warm start stops at an estimated held-out success
-# inside the band where RL has room. Each objective at the best rate of an lr grid; SDPO with reverse
-# KL, the paper's choice with rich feedback. The measurements: docs/results.md (SDPO vs GRPO on the
-# quiz), docs/gad.md.
+# The recipe (on top of tiny_models.RECIPE). Copying what a context shows forms only with half the
+# warm start's examples feedback contexts, its first 300 steps all contexts so that it forms before
+# the facts do; the student's success then climbs steeply, so the warm start stops at an estimated
+# held-out success inside the band where RL has room. Each objective at the best rate of an lr grid;
+# SDPO with reverse KL, the paper's choice with rich feedback. The measurements: docs/results.md
+# (SDPO vs GRPO on the quiz), docs/gad.md.
 RECIPE = {
     "train.warm_start_steps": 2000,  # at most: the target stops it
     "train.warm_start_demo_frac": 0.3,

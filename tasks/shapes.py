@@ -15,7 +15,7 @@ from feedback import Reward, row_field, truncated_reward
 from tasks.quiz import wrong_lines
 
 REWARD = "shapes"  # its rows name this file's `reward`
-IMAGES = True  # its prompts hold pictures: its default model is the tiny vision-language one (tiny.py)
+IMAGES = True  # its prompts hold pictures: its default model is the tiny vision-language one (tiny_models.py)
 # the scene question's text: the checker recognises it by this text
 SCENE_QUESTION = "Name every shape in reading order: its colour, kind and place."
 PICTURE_QUIZ_INSTRUCTION = "Answer each question on its own line, as 'a: <answer>'."
@@ -35,7 +35,7 @@ class Flags:
     shapes_image_size: int = 112  # pixels a side (112: 16 image tokens for Qwen2-VL's 28-pixel units)
 
 
-# The recipe (on top of tiny.py's): RL on picture quizzes of counts and places, whose feedback marks
+# The recipe (on top of tiny_models.RECIPE): RL on picture quizzes of counts and places, whose feedback marks
 # each line (colours left out: the tiny teacher cannot copy a colour word); a warm start on all five
 # kinds (scene questions teach it to see), its first 300 steps all teacher contexts. Why each value:
 # docs/data.md ("The picture quiz", "Measured on the picture task").

@@ -45,7 +45,7 @@ class Flags:
     strops_alphabet: str = "abcdefgh"
 
 
-# The recipe (the tiny model's values on top of tiny.py's; `--recipe auto` picks it): a 200-step
+# The recipe (the tiny model's values on top of tiny_models.RECIPE; `--recipe auto` picks it): a 200-step
 # warm start. Copying a shown solution forms after mostly-demonstration steps, and at 200 the bare
 # student leaves room for 40 RL steps to gain, where a longer warm start left little. What the
 # default job measures, and the warm starts compared: docs/results.md (The default job), docs/LOG.md.
