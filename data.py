@@ -17,9 +17,11 @@ A *row* is a plain dict, the one currency between data, rewards and the training
 """
 import functools
 import gzip
+import itertools
 import json
 import os
 import random
+import re
 import sys
 import zlib
 
@@ -124,7 +126,7 @@ def _parquet_records(path: str):
         try:
             records = batch.to_pylist()
         except UnicodeDecodeError:  # a string column that is not UTF-8: find the cell
-            for i, name in ((i, name) for i in range(batch.num_rows) for name in batch.schema.names):
+            for i, name in itertools.product(range(batch.num_rows), batch.schema.names):
                 try:
                     batch.column(name)[i].as_py()
                 except UnicodeDecodeError as e:
@@ -166,19 +168,6 @@ def _check_part(part, where: str) -> dict:
     raise DataError(f"{where}: expected {{'type': 'text', 'text': str}} or an image part, got {part!r:.120}")
 
 
-def _split_placeholders(messages: list[dict]) -> list[dict]:
-    """String contents with <image> placeholders -> lists of text and image parts."""
-    out = []
-    for m in messages:
-        if isinstance(m["content"], str) and IMAGE_PLACEHOLDER in m["content"]:
-            content = []
-            for k, text in enumerate(m["content"].split(IMAGE_PLACEHOLDER)):
-                content += [{"type": "image", "image": None}] * (k > 0) + [{"type": "text", "text": text}] * (text != "")
-            m = {"role": m["role"], "content": content}
-        out.append(m)
-    return out
-
-
 def load_image(value, base_dir: str, where: str):
     """An RGB PIL image from a path (relative to base_dir), bytes, a {"bytes", "path"} record
     (how Parquet files store images), or a PIL image. DataError names where when it cannot."""
@@ -210,16 +199,20 @@ def load_image(value, base_dir: str, where: str):
 
 def _attach_images(messages: list[dict], images, base_dir: str, where) -> tuple[list[dict], list]:
     """Loads every image of a row: image parts with their own payload, and the `images` field
-    for parts without one, in order. Returns messages whose image parts are {"type": "image"}
-    and the images."""
+    for parts without one (an <image> placeholder of a string content is one), in order.
+    Returns messages whose image parts are {"type": "image"} and the images."""
     field = [] if images is None else images
     if not isinstance(field, list):
         raise DataError(f"{where('images')}: expected a list of images, got {type(field).__name__}")
     loaded, taken, out = [], 0, []
     for m in messages:
-        if isinstance(m["content"], list):
+        parts = m["content"]
+        if isinstance(parts, str) and IMAGE_PLACEHOLDER in parts:
+            parts = [{"type": "image", "image": None} if k % 2 else {"type": "text", "text": text}
+                     for k, text in enumerate(re.split(f"({re.escape(IMAGE_PLACEHOLDER)})", parts)) if text]
+        if isinstance(parts, list):
             content = []
-            for part in m["content"]:
+            for part in parts:
                 if part["type"] == "image":
                     if part["image"] is not None:
                         loaded.append(load_image(part["image"], base_dir, f"{where('prompt')}: image part {len(loaded)}"))
@@ -335,7 +328,7 @@ def _file_row(record: dict, path: str, row_no: int, mapping: dict, reward: str) 
     if prompt is None:
         raise DataError(f"{where('prompt')}: missing; the row has columns {sorted(record)}")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _check_messages(prompt, where("prompt"))
-    messages, images = _attach_images(_split_placeholders(messages), column(record, mapping["images"]),
+    messages, images = _attach_images(messages, column(record, mapping["images"]),
                                       os.path.dirname(os.path.abspath(path)), where)
     system = column(record, mapping["system"])
     if system is not None:

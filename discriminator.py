@@ -107,12 +107,12 @@ class Critic:
         """train_step's one optimizer step (it does not count in self.steps)."""
         self.model.train()
         mine = list(range(len(groups)))[d.rank::d.world]
-        per_call = max(1, micro_batch // max(1 + max((len(s) for _, _, s in groups), default=1), 1))
+        per_call = max(1, micro_batch // (1 + max((len(s) for _, _, s in groups), default=1)))
         calls = max(1, math.ceil(math.ceil(len(groups) / d.world) / per_call))
         pairs = sum(len(students) for _, _, students in groups)
         # d_loss, teacher above student (pairs whose texts differ), teacher score, student score,
-        # teachers, pairs whose texts differ
-        local, sums = {}, torch.zeros(6, dtype=torch.float64)
+        # pairs whose texts differ
+        local, sums = {}, torch.zeros(5, dtype=torch.float64)
         for c in range(calls):
             part = mine[c * per_call:(c + 1) * per_call]
             if d.world > 1:  # reduce-scatter the gradient once, after the last micro-batch
@@ -131,9 +131,9 @@ class Critic:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         reshard(self.model)
-        pairs, teachers = max(pairs, 1), max(sums[4].item(), 1.0)
-        metrics = {"gad/d_loss": sums[0].item() / pairs, "gad/identical_frac": 1.0 - sums[5].item() / pairs,
-                   **({"gad/d_acc": sums[1].item() / sums[5].item()} if sums[5].item() else {}),
+        pairs, teachers = max(pairs, 1), max(len(groups), 1)  # one teacher a group
+        metrics = {"gad/d_loss": sums[0].item() / pairs, "gad/identical_frac": 1.0 - sums[4].item() / pairs,
+                   **({"gad/d_acc": sums[1].item() / sums[4].item()} if sums[4].item() else {}),
                    "gad/teacher_score": sums[2].item() / teachers, "gad/student_score": sums[3].item() / pairs,
                    "gad/d_grad_norm": grad_norm, "gad/d_skipped_steps": float(not math.isfinite(grad_norm))}
         return Update([s for g in range(len(groups)) for s in local[g]], metrics)
@@ -154,7 +154,7 @@ class Critic:
             # order the pair, so accuracy counts the pairs whose texts differ.
             distinct = torch.tensor([s != teacher_ids for s in student_ids])
             above = (teacher.detach() > students.detach())[distinct].sum().item()
-            sums += torch.tensor([loss.item() * n, above, teacher.item(), students.sum().item(), 1.0,
+            sums += torch.tensor([loss.item() * n, above, teacher.item(), students.sum().item(),
                                   distinct.sum().item()], dtype=torch.float64)
             local[g] = scores[start:start + 1 + n].detach().tolist()
             start += 1 + n

@@ -1,10 +1,6 @@
 """Held-out evaluation and what it says about SDPO's prospects.
 
-evaluate: avg@k success on the held-out rows (the rows are the independent draws, so the
-standard error is over rows), mean length, truncation, and the paired gain since step 0.
-teacher_gap / context_entropies (`--eval_only --teacher_gap`): what SDPO's teacher can do on
-this model: success shown a demonstration or a wrong attempt's feedback, and the teacher's
-token entropy against the student's on the student's own samples.
+The metrics: docs/metrics.md (eval/); --eval_only, --teacher_gap, --blind: docs/loop.md (Evaluation only).
 """
 import json
 import math
@@ -175,10 +171,10 @@ def context_entropies(engine, tokenizer, rows, cfg: Config, model_dir: str, devi
 
     rollouts = [r for r in rollouts if r.response_ids]
     student = score([r.prompt_ids + r.response_ids for r in rollouts], [len(r.response_ids) for r in rollouts])
-    out = {"eval/entropy_student": float(torch.cat([e for _, e in student]).mean()) if student else 0.0}
+    cat = lambda pairs, k: torch.cat([p[k] for p in pairs])
+    out = {"eval/entropy_student": float(cat(student, 1).mean()) if student else 0.0}
     used = [j for j, r in enumerate(rollouts) if r.sdpo_mask > 0]
     teacher = dict(zip(used, score([rollouts[j].teacher_ids for j in used], [len(rollouts[j].response_ids) for j in used])))
-    cat = lambda pairs, k: torch.cat([p[k] for p in pairs])
     for kind in ("demonstration", "feedback", "any"):
         chosen = [j for j in used if kind in ("any", rollouts[j].teacher_context)]
         if not chosen:
@@ -210,11 +206,10 @@ def evaluate_only(cfg: Config, model_dir: str, engine, tokenizer, eval_rows: lis
 
 
 def blind_check(engine, tokenizer, rows: list, cfg: Config, seeing: list) -> dict:
-    """Held-out success with every picture replaced by a blank (white) one of the same size
-    (same prompts, same sampling seed), and the seeing-minus-blind gap paired row by row with
-    `seeing`, each row's success with the pictures: a model that ignores its pictures scores
-    the same blind. White, the picture task's empty canvas: a black square is a picture the
-    model never saw, and its answers to one fall below a guess's (docs/data.md, The blind check)."""
+    """Held-out success with every picture a blank white one of the same size, and the
+    seeing-minus-blind gap paired row by row with `seeing` (each row's success with the pictures).
+    White, the picture task's empty canvas: a black one scores below a guess (docs/data.md, The
+    blind check)."""
     from PIL import Image
     if not any(r.get("images") for r in rows):
         raise ValueError("--blind: the held-out rows have no pictures")

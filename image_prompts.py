@@ -84,9 +84,9 @@ class ImagePrompts:
         import torch
         flat = [im for row in images for im in row]
         expected = sum(self.tokens_per_image(im) for im in flat)
-        if int(torch.as_tensor(image_mask).sum()) != expected:
-            raise ValueError(f"the batch has {int(torch.as_tensor(image_mask).sum())} picture tokens, its pictures "
-                             f"need {expected}")
+        found = int(torch.as_tensor(image_mask).sum())
+        if found != expected:
+            raise ValueError(f"the batch has {found} picture tokens, its pictures need {expected}")
         unique = {id(im): im for im in flat}  # a prompt's samples share its picture objects: process each once
         features = self.processor(images=list(unique.values()), return_tensors="pt")
         chunks = features["pixel_values"].split(features["image_grid_thw"].prod(-1).tolist())

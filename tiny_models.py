@@ -3,8 +3,7 @@
 The tiny text model: a byte-level BPE trained on the tasks' text and a small Qwen2 with random
 weights; the tiny VLM: a Qwen2.5-VL with the text model's dimensions and a two-block vision tower.
 Both are written as ordinary HF directories that transformers and vLLM load, cached under a hash
-of their config and of the code that builds them (TINY_SOURCES, source_hash), so an edit to that
-code builds anew and an edit to a comment does not.
+of their config and of the code that builds them (source_hash).
 """
 import functools
 import hashlib
@@ -95,8 +94,8 @@ def _tokenizer_corpus(seed: int) -> list[str]:
     # table (its text is tokenised byte by byte where BPE has no merges for it)
     corpus_tasks = TaskConfig(strops_max_ops=2, quiz_ops="+-*", quiz_max=12)
     for task in TOKENIZER_TASKS:
-        for split in ("train", "test"):
-            for row in task_rows(task, split, 300 if split == "train" else 30, seed=seed, cfg=corpus_tasks):
+        for split, n in (("train", 300), ("test", 30)):
+            for row in task_rows(task, split, n, seed=seed, cfg=corpus_tasks):
                 texts += [m["content"] for m in row["messages"]] + [row["reference"]]
     texts += ["<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_start|>system\n"] * 50
     # Repeated so that BPE merges them: a teacher context spelled letter by letter is twice as long.
@@ -149,7 +148,7 @@ def _save_with_generation_config(model, tokenizer, out_dir: str):
     GenerationConfig(eos_token_id=eos, pad_token_id=pad, bos_token_id=eos).save_pretrained(out_dir)
 
 
-def build_tiny_model(out_dir: str, cfg: TinyModelConfig) -> str:
+def build_tiny_model(out_dir: str, cfg: TinyModelConfig):
     """Write the tiny model (config, safetensors, tokenizer, chat template) into out_dir."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -157,7 +156,6 @@ def build_tiny_model(out_dir: str, cfg: TinyModelConfig) -> str:
     config = Qwen2Config(**_text_config(cfg, tokenizer), rope_theta=10000.0, torch_dtype="float32")
     torch.manual_seed(cfg.seed)
     _save_with_generation_config(Qwen2ForCausalLM(config), tokenizer, out_dir)
-    return out_dir
 
 
 def _cached_build(kind: str, build, cfg, cache_dir: str | None) -> str:
@@ -222,13 +220,13 @@ class TinyVLMConfig(TinyModelConfig):
 
 def _vlm_tokenizer_corpus(seed: int) -> list[str]:
     texts = _tokenizer_corpus(seed)
-    for split in ("train", "test"):
-        for row in task_rows("shapes", split, 300 if split == "train" else 30, seed=seed):
+    for split, n in (("train", 300), ("test", 30)):
+        for row in task_rows("shapes", split, n, seed=seed):
             texts += [p["text"] for p in row["messages"][-1]["content"] if p["type"] == "text"] + [row["reference"]]
     return texts + ["<|vision_start|><|image_pad|><|vision_end|>"] * 50
 
 
-def build_tiny_vlm(out_dir: str, cfg: TinyVLMConfig) -> str:
+def build_tiny_vlm(out_dir: str, cfg: TinyVLMConfig):
     """Write the tiny vision-language model (config, safetensors, tokenizer, chat template,
     image processor) into out_dir."""
     import torch
@@ -255,7 +253,6 @@ def build_tiny_vlm(out_dir: str, cfg: TinyVLMConfig) -> str:
     _save_with_generation_config(Qwen2_5_VLForConditionalGeneration(config), tokenizer, out_dir)
     Qwen2VLImageProcessorPil(min_pixels=cfg.image_pixels, max_pixels=cfg.image_pixels, patch_size=14, merge_size=2,
                              temporal_patch_size=2).save_pretrained(out_dir)
-    return out_dir
 
 
 def tiny_vlm_dir(cfg: TinyVLMConfig | None = None, cache_dir: str | None = None) -> str:

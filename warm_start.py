@@ -150,12 +150,11 @@ def sft_rollouts(tokenizer, rows, cfg: Config, step: int) -> list[Rollout]:
     out = []
     for row in rows:
         response = data.reference_response_ids(tokenizer, row, tokenizer.eos_token_id, "--algo sft")
-        draw, prompt = rng.random(), None
-        if draw < demo_frac:
-            prompt = teacher_context_ids(tokenizer, row, "demonstration", rng, cfg)
-        elif draw < demo_frac + feedback_frac:
-            prompt = teacher_context_ids(tokenizer, row, "feedback", rng, cfg)
-        if prompt is None:
+        draw = rng.random()
+        kind = ("demonstration" if draw < demo_frac else
+                "feedback" if draw < demo_frac + feedback_frac else None)
+        prompt = teacher_context_ids(tokenizer, row, kind, rng, cfg) if kind else None
+        if prompt is None:  # no context drawn, or the row has none of that kind
             prompt = data.chat_prompt_ids(tokenizer, row["messages"], cfg.data.max_prompt_len)
         out.append(Rollout(row=row, prompt_ids=prompt, response_ids=response, rollout_logprobs=[0.0] * len(response),
                            text=row["reference"], truncated=False, reward=1.0, generated=False))

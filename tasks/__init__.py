@@ -7,7 +7,7 @@ A task's file holds all of it (docs/data.md, "Adding a task", is a worked exampl
                                  for the file's `reward(response, row, truncated)`, which scores
                                  an answer and says what is wrong without giving the answer
     Flags                        a dataclass of its difficulty knobs, which become --data.* flags
-    RECIPE, RECIPE_BY_ALGO       optional: its flag values on the tiny model (on top of tiny.py's),
+    RECIPE, RECIPE_BY_ALGO       optional: its flag values on the tiny model (on top of tiny_models.RECIPE),
                                  which `--recipe auto` picks for --data.task NAME
     wrong_response(row, rng)     optional: a plausible wrong answer, for the warm start's examples
                                  that show the teacher feedback
@@ -35,14 +35,10 @@ IMAGE_TASKS = tuple(name for name, task in TASKS.items() if getattr(task, "IMAGE
 
 
 @dataclasses.dataclass
-class SplitFlags:
-    heldout_percent: int = 10  # share of the content hash space that is held out
-
-
-@dataclasses.dataclass
-class TaskConfig(SplitFlags, *reversed([task.Flags for task in TASKS.values()])):  # fields: last base first
+class TaskConfig(*reversed([task.Flags for task in TASKS.values()])):  # fields: last base first
     """Difficulty of the synthetic tasks: every task's Flags, in the table's order, and the split's
     (all flags under --data.*; config.DataConfig extends it)."""
+    heldout_percent: int = 10  # share of the content hash space that is held out
 
 
 def split_of(key: str, heldout_percent: int) -> str:

@@ -1,7 +1,7 @@
 """The arithmetic task: one sum, difference or product of two integers, exact answer.
 
 Its checker is feedback/math.py's `math_reward` (the one user math datasets use): the rows name
-"math". It has no recipe of its own: the tiny model's (tiny.py) serves it.
+"math". It has no recipe of its own: tiny_models.RECIPE serves it.
 """
 import random
 from dataclasses import dataclass

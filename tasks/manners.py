@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from errors import FlagError
 from feedback import TOTAL_CHARS, Reward, cut, truncated_reward
-from tasks.quiz import draw_questions
+from tasks.quiz import draw_questions, quiz_row
 
 REWARD = "manners"  # its rows name this file's `reward`
 
@@ -67,16 +67,9 @@ def make_row(rng, cfg) -> dict:
     manners = cfg.manners.split(",")
     drawn = ([rng.choice(manners) for _ in questions] if cfg.manner_per == "line"
              else [rng.choice(manners)] * len(questions))  # one manner per line
-    tests = [{"input": f"{label}:{a}{op}{b}", "output": str(result)} for label, a, op, b, result in questions]
-    return {
-        "uid": "manners:" + ",".join(t["input"] for t in tests),
-        "messages": [{"role": "user", "content": "\n".join(t["input"] for t in tests) + "\n" + INSTRUCTION}],
-        "answer": ", ".join(t["output"] for t in tests),
-        "tests": tests,
-        "reference": "\n".join(write_line(manner, *q) for manner, q in zip(drawn, questions)),
-        "reward": "manners",
-        "manners": manners,
-    }
+    reference = "\n".join(write_line(manner, *q) for manner, q in zip(drawn, questions))
+    return {**quiz_row("manners", questions, INSTRUCTION), "reference": reference, "reward": REWARD,
+            "manners": manners}
 
 
 def line_manners(response: str) -> list[str | None]:

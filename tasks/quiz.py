@@ -36,12 +36,12 @@ class Flags:
     quiz_feedback: str = FEEDBACK[0]  # a wrong line's feedback: "marks" (b:3*4 is wrong.) or "values" (b:3*4 is not 13.)
 
 
-# The recipe (on top of tiny.py's). Copying what a context shows forms only with half the warm start's
-# examples feedback contexts, its first 300 steps all contexts so that it forms before the facts do;
-# the student's success then climbs steeply, so the warm start stops at an estimated held-out success
-# inside the band where RL has room. Each objective at the best rate of an lr grid; SDPO with reverse
-# KL, the paper's choice with rich feedback. The measurements: docs/results.md (SDPO vs GRPO on the
-# quiz), docs/gad.md.
+# The recipe (on top of tiny_models.RECIPE). Copying what a context shows forms only with half the
+# warm start's examples feedback contexts, its first 300 steps all contexts so that it forms before
+# the facts do; the student's success then climbs steeply, so the warm start stops at an estimated
+# held-out success inside the band where RL has room. Each objective at the best rate of an lr grid;
+# SDPO with reverse KL, the paper's choice with rich feedback. The measurements: docs/results.md
+# (SDPO vs GRPO on the quiz), docs/gad.md.
 RECIPE = {
     "train.warm_start_steps": 2000,  # at most: the target stops it
     "train.warm_start_demo_frac": 0.3,
@@ -73,21 +73,23 @@ def draw_questions(rng: random.Random, cfg: Flags) -> list[tuple]:
     return questions
 
 
+def quiz_row(name: str, questions: list[tuple], instruction: str) -> dict:
+    """The uid, prompt, answer and tests of a row of draw_questions' questions (the manners task's too)."""
+    tests = [{"input": f"{label}:{a}{op}{b}", "output": str(result)} for label, a, op, b, result in questions]
+    return {
+        "uid": f"{name}:" + ",".join(t["input"] for t in tests),
+        "messages": [{"role": "user", "content": "\n".join(t["input"] for t in tests) + f"\n{instruction}"}],
+        "answer": ", ".join(t["output"] for t in tests),
+        "tests": tests,
+    }
+
+
 def make_row(rng: random.Random, cfg: Flags) -> dict:
-    drawn = draw_questions(rng, cfg)
+    row = quiz_row("quiz", draw_questions(rng, cfg), INSTRUCTION)
     if cfg.quiz_feedback not in FEEDBACK:
         raise FlagError(f"--data.quiz_feedback={cfg.quiz_feedback!r}: choose from {FEEDBACK}")
-    questions = [{"input": f"{label}:{a}{op}{b}", "output": str(result)} for label, a, op, b, result in drawn]
-    shown = "\n".join(q["input"] for q in questions)
-    return {
-        "uid": "quiz:" + ",".join(q["input"] for q in questions),
-        "messages": [{"role": "user", "content": f"{shown}\n{INSTRUCTION}"}],
-        "answer": ", ".join(q["output"] for q in questions),
-        "tests": questions,
-        "reference": "\n".join(f"{q['input']}={q['output']}" for q in questions),
-        "reward": REWARD,
-        "quiz_feedback": cfg.quiz_feedback,
-    }
+    reference = "\n".join(f"{t['input']}={t['output']}" for t in row["tests"])
+    return {**row, "reference": reference, "reward": REWARD, "quiz_feedback": cfg.quiz_feedback}
 
 
 def parse_results(response: str, n: int) -> list[int]:

@@ -15,7 +15,7 @@ from feedback import Reward, row_field, truncated_reward
 from tasks.quiz import wrong_lines
 
 REWARD = "shapes"  # its rows name this file's `reward`
-IMAGES = True  # its prompts hold pictures: its default model is the tiny vision-language one (tiny.py)
+IMAGES = True  # its prompts hold pictures: its default model is the tiny vision-language one (tiny_models.py)
 # the scene question's text: the checker recognises it by this text
 SCENE_QUESTION = "Name every shape in reading order: its colour, kind and place."
 PICTURE_QUIZ_INSTRUCTION = "Answer each question on its own line, as 'a: <answer>'."
@@ -35,7 +35,7 @@ class Flags:
     shapes_image_size: int = 112  # pixels a side (112: 16 image tokens for Qwen2-VL's 28-pixel units)
 
 
-# The recipe (on top of tiny.py's): RL on picture quizzes of counts and places, whose feedback marks
+# The recipe (on top of tiny_models.RECIPE): RL on picture quizzes of counts and places, whose feedback marks
 # each line (colours left out: the tiny teacher cannot copy a colour word); a warm start on all five
 # kinds (scene questions teach it to see), its first 300 steps all teacher contexts. Why each value:
 # docs/data.md ("The picture quiz", "Measured on the picture task").
@@ -119,8 +119,9 @@ def make_row(rng: random.Random, cfg: Flags) -> dict:
     # Ask only what the picture answers unambiguously: a colour of a kind that occurs once, the
     # position of a colour and kind that occur once.
     once = lambda key: [s for s in shapes if sum(key(t) == key(s) for t in shapes) == 1]
-    options = [k for k in kinds_asked if k in ("count", "scene", "quiz") or
-               once(lambda s: s["kind"] if k == "colour" else (s["colour"], s["kind"]))]
+    kind_once, look_once = once(lambda s: s["kind"]), once(lambda s: (s["colour"], s["kind"]))
+    options = [k for k in kinds_asked
+               if k in ("count", "scene", "quiz") or (kind_once if k == "colour" else look_once)]
     kind = rng.choice(options or ["count"])
     count = ("How many shapes are in the picture?", str(n))
     colour = lambda s: (f"What colour is the {s['kind']}?", s["colour"])
@@ -132,9 +133,9 @@ def make_row(rng: random.Random, cfg: Flags) -> dict:
         question = SCENE_QUESTION
         answer = ", ".join(f"{s['colour']} {s['kind']} {positions[s['cell']]}" for s in shapes)
     elif kind == "colour":
-        question, answer = colour(rng.choice(once(lambda s: s["kind"])))
+        question, answer = colour(rng.choice(kind_once))
     elif kind == "position":
-        question, answer = position(rng.choice(once(lambda s: (s["colour"], s["kind"]))))
+        question, answer = position(rng.choice(look_once))
     else:
         if not 1 <= cfg.shapes_quiz_questions <= 26:
             raise FlagError(f"--data.shapes_quiz_questions={cfg.shapes_quiz_questions}: questions are labelled "
@@ -142,8 +143,8 @@ def make_row(rng: random.Random, cfg: Flags) -> dict:
         quiz_kinds = check_kinds(cfg.shapes_quiz_kinds, "shapes_quiz_kinds", ("count", "colour", "position"))
         # every question the picture answers unambiguously, in a fixed order (count, colours, positions)
         pool = [count] * ("count" in quiz_kinds) + \
-            [colour(s) for s in once(lambda s: s["kind"]) if "colour" in quiz_kinds] + \
-            [position(s) for s in once(lambda s: (s["colour"], s["kind"])) if "position" in quiz_kinds] or [count]
+            [colour(s) for s in kind_once if "colour" in quiz_kinds] + \
+            [position(s) for s in look_once if "position" in quiz_kinds] or [count]
         asked = sorted(rng.sample(range(len(pool)), min(cfg.shapes_quiz_questions, len(pool))))
         tests = [{"input": f"{label}: {pool[i][0]}", "output": pool[i][1]}
                  for label, i in zip(string.ascii_lowercase, asked)]
@@ -171,11 +172,6 @@ FORMAT_FEEDBACK = "Your response has no final answer. End it with 'Answer: <answ
 
 def normalise(text: str) -> str:
     return " ".join(text.strip().strip(".").lower().split())
-
-
-def question_text(row: dict) -> str:
-    content = row["messages"][-1]["content"]
-    return content if isinstance(content, str) else " ".join(p.get("text", "") for p in content)
 
 
 def scene_feedback(given: str, truth: str) -> str:
@@ -216,12 +212,13 @@ def reward(response: str, row: dict, truncated: bool) -> Reward:
     if row.get("tests"):
         return picture_quiz_reward(response, row["tests"])
     found = _ANSWER.findall(response)
-    if not found or not normalise(found[-1]):
+    given = normalise(found[-1]) if found else ""
+    if not given:
         return Reward(0.0, FORMAT_FEEDBACK)
-    given = normalise(found[-1])
     if given == normalise(truth):
         return Reward(1.0)
-    question = question_text(row)
+    content = row["messages"][-1]["content"]
+    question = content if isinstance(content, str) else " ".join(p.get("text", "") for p in content)
     if colour := _COLOUR_Q.search(question):
         what = f"the colour of the {colour.group(1)}"
     elif position := _POSITION_Q.search(question):

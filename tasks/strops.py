@@ -45,7 +45,7 @@ class Flags:
     strops_alphabet: str = "abcdefgh"
 
 
-# The recipe (the tiny model's values on top of tiny.py's; `--recipe auto` picks it): a 200-step
+# The recipe (the tiny model's values on top of tiny_models.RECIPE; `--recipe auto` picks it): a 200-step
 # warm start. Copying a shown solution forms after mostly-demonstration steps, and at 200 the bare
 # student leaves room for 40 RL steps to gain, where a longer warm start left little. What the
 # default job measures, and the warm starts compared: docs/results.md (The default job), docs/LOG.md.
@@ -141,5 +141,5 @@ def wrong_response(row: dict, rng: random.Random) -> str:
     """A program of one or two ops that fails at least one of the row's tests."""
     while True:
         program = " | ".join(rng.choice(sorted(OPS)) for _ in range(rng.randint(1, 2)))
-        if any(run_program(program.split(" | "), t["input"]) != t["output"] for t in row["tests"]):
+        if any(run_program(program, t["input"]) != t["output"] for t in row["tests"]):
             return f"Program: {program}"
