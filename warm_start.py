@@ -72,8 +72,10 @@ def warm_start_key(cfg: Config, warm: Config, warm_train: dict) -> list:
     train_data = {k: v for k, v in dataclasses.asdict(warm.data).items() if k not in ("eval_rows", "eval_path")}
     if cfg.data.task != "quiz" or cfg.data.quiz_feedback == "values":  # only the quiz's warm start shows it
         train_data.pop("quiz_feedback")
-    if cfg.data.task != "manners":  # only the manners task reads it
+    if cfg.data.task != "manners":  # only the manners task reads them
         train_data.pop("manners")
+    if cfg.data.task != "manners" or cfg.data.manner_per == "answer":
+        train_data.pop("manner_per")
     train_data.pop("shapes_warm_start_questions")  # in effect as shapes_questions
     if "quiz" not in warm.data.shapes_questions.split(","):
         train_data.pop("shapes_quiz_questions")

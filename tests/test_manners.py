@@ -114,6 +114,15 @@ def test_registered_as_a_reward_a_task_and_a_recipe():
     assert tasks.wrong_response(data.task_rows("manners", "train", 1)[0], rng) is None  # no feedback contexts
 
 
+def test_the_manner_flags_key_only_the_manners_tasks_warm_start():
+    import warm_start
+    key = lambda *flags: warm_start.warm_start_config(run.parse_config(list(flags)), "tiny").log.out_dir
+    assert key() == key("--data.manner_per=line", "--data.manners=eq")  # another task's start is shared
+    manners = key("--data.task=manners")
+    assert key("--data.task=manners", "--data.manner_per=answer") == manners  # the default keeps older names
+    assert key("--data.task=manners", "--data.manner_per=line") != manners
+
+
 def test_constant_reward_control_zeroes_the_advantages_while_the_discriminator_trains(tiny_dir, tokenizer):
     from test_gad import _critic, _gad_rollouts, gad_config
     from test_run import ONE_PROCESS, _policy
