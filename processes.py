@@ -149,8 +149,7 @@ def quiet_engine_processes() -> dict:
 
 def importable(env: dict, directory: str):
     """Make directory's modules importable in every process vLLM starts."""
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else paths
+    paths = [p for p in env.get("PYTHONPATH", os.environ.get("PYTHONPATH", "")).split(os.pathsep) if p]
     if directory not in paths:
         env["PYTHONPATH"] = os.pathsep.join([directory] + paths)
 
@@ -167,10 +166,8 @@ def use_plugins(env: dict):
 def cpu_split(cfg: Config) -> tuple[list[int], int, int]:
     """On CPU: (the cores the engine's worker computes on, each rank's torch threads while the
     engine generates beside the trainer, and while it does not). Taking turns, each gets every
-    core; with --train.off_policy_steps 1 they split them, since two OpenMP pools on the same
-    cores slow each other many times over (docs/async.md, Threads on a CPU). A thread count the
-    user set (the flags, OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND) is kept.
-    """
+    core; with --train.off_policy_steps 1 they split them (why: docs/async.md, Threads on a CPU).
+    A thread count the user set (the flags, OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND) is kept."""
     cores = sorted(os.sched_getaffinity(0))
     ahead = cfg.train.off_policy_steps > 0
     engine = min(len(cores), cfg.rollout.cpu_threads or (max(1, len(cores) // 2) if ahead else len(cores)))
