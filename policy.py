@@ -84,25 +84,22 @@ class CausalLM(torch.nn.Module):
         those as text, and so does this."""
         model, ids = self.hf.model, packed.input_ids
         embeds = model.get_input_embeddings()(ids)
-        if packed.images:
-            pixels = self.vision.pixel_inputs(packed.image_mask, packed.images)
-            features = model.get_image_features(pixels["pixel_values"].to(ids.device),
-                                                pixels["image_grid_thw"].to(ids.device)).pooler_output
-            embeds = embeds.masked_scatter(packed.image_mask[..., None].to(ids.device),
-                                           torch.cat(features).to(embeds.dtype))
-            positions, _ = model.get_rope_index(ids, mm_token_type_ids=packed.image_mask.long().to(ids.device),
-                                                image_grid_thw=pixels["image_grid_thw"].to(ids.device),
-                                                attention_mask=packed.attention_mask)
-            return {"inputs_embeds": embeds, "position_ids": positions}
-        if self.sharded:
-            # FSDP2: each vision-tower block's all-gather and gradient reduce-scatter are
-            # collectives, so a rank whose sequences have no picture (an idle rank, a text row)
-            # runs the tower too, on a blank picture, and keeps it in the graph with weight 0.
-            pixels = self.vision.pixel_inputs(*self.vision.blank())
-            features = model.get_image_features(pixels["pixel_values"].to(ids.device),
-                                                pixels["image_grid_thw"].to(ids.device)).pooler_output
-            embeds = embeds + 0.0 * features[0].sum()
-        return {"inputs_embeds": embeds}
+        if not packed.images and not self.sharded:
+            return {"inputs_embeds": embeds}
+        # FSDP2: each vision-tower block's all-gather and gradient reduce-scatter are
+        # collectives, so a rank whose sequences have no picture (an idle rank, a text row)
+        # runs the tower too, on a blank picture, and keeps it in the graph with weight 0.
+        pictures = (packed.image_mask, packed.images) if packed.images else self.vision.blank()
+        pixels = self.vision.pixel_inputs(*pictures)
+        grid = pixels["image_grid_thw"].to(ids.device)
+        features = model.get_image_features(pixels["pixel_values"].to(ids.device), grid).pooler_output
+        if not packed.images:
+            return {"inputs_embeds": embeds + 0.0 * features[0].sum()}
+        embeds = embeds.masked_scatter(packed.image_mask[..., None].to(ids.device),
+                                       torch.cat(features).to(embeds.dtype))
+        positions, _ = model.get_rope_index(ids, mm_token_type_ids=packed.image_mask.long().to(ids.device),
+                                            image_grid_thw=grid, attention_mask=packed.attention_mask)
+        return {"inputs_embeds": embeds, "position_ids": positions}
 
 
 def load_policy(model_dir: str, cfg: Config, world: int, device, from_rank0: bool | None = None):
