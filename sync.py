@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import chunked_head
 import microbatch
-from distributed import Dist, rank0_call, reshard
+from distributed import Dist, full_tensor, rank0_call, reshard
 from policy import CausalLM, pad_token_id, tensor_identity
 
 
@@ -166,12 +166,9 @@ class WeightStream:
         return bucket[-1].offset + bucket[-1].nbytes
 
     def _full(self, entry: Entry) -> torch.Tensor:
-        """The whole tensor in the engine's dtype (a collective under FSDP2: every rank calls it)."""
-        from torch.distributed.tensor import DTensor
-        t = self.state[entry.source].detach()
-        if isinstance(t, DTensor):
-            return t.to(self.dtype).full_tensor()  # cast first: half the bytes gathered at bf16
-        return t.to(self.dtype)
+        """The whole tensor in the engine's dtype (a collective under FSDP2: every rank calls it),
+        cast before the gather: half the bytes gathered at bf16."""
+        return full_tensor(self.state[entry.source].detach().to(self.dtype))
 
     def _pass(self):
         """One gather of every tensor; on rank 0 yields each bucket as a flat uint8 tensor."""
@@ -278,7 +275,12 @@ class WeightReceiver:
                 for name, shape, offset, size in entries:
                     yield name, buf[offset:offset + size].view(dtype).view(shape)
         self.reload_weights(weights_iterator=weights())
-        release_freed_memory()
+        if not torch.cuda.is_available():
+            # each load re-creates and re-packs every layer's weights: hand the memory it freed back
+            # to the system (docs/sync.md, Engine memory over a long run)
+            import ctypes
+            with contextlib.suppress(OSError, AttributeError):  # not glibc
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
         return received
 
     def parameter_digest(self) -> dict:
@@ -290,17 +292,6 @@ class WeightReceiver:
         tensors.update(model.named_buffers())
         return {name: hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                                      if t.numel() else b"").hexdigest() for name, t in tensors.items()}
-
-
-def release_freed_memory():
-    """Hand the memory a weight load freed back to the system (glibc's malloc_trim), after each
-    load through the group: each re-creates and re-packs every layer's weights. Whether this
-    holds the engine worker's memory flat over a long run is not measured yet (issue 51)."""
-    if torch.cuda.is_available():
-        return
-    import ctypes
-    with contextlib.suppress(OSError, AttributeError):  # not glibc
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 # ----------------------------------------------------------------------------------------
