@@ -138,13 +138,12 @@ class WeightStream:
                 raise ValueError(f"--rollout.sync group cannot stream {name!r}: transformers converts this model's "
                                  f"weights on saving (not only renames them); use --rollout.sync file")
             sources.setdefault(key_of[id(tensor)], []).append(name)
-        width = torch.empty(0, dtype=self.dtype).element_size()
         buckets, current, used = [], [], 0
         for key in self.state:
             if key not in sources:
                 continue
             shape = tuple(self.state[key].shape)
-            nbytes = width * int(torch.Size(shape).numel())
+            nbytes = self.dtype.itemsize * torch.Size(shape).numel()
             start = -(-used // ALIGN) * ALIGN
             if current and start + nbytes > self.bucket_bytes:
                 buckets.append(current)
