@@ -77,10 +77,10 @@ def rank0_call(d: Dist, fn, share: bool = True):
         kind = next((c for c in type(error).__mro__ if "kept_across_ranks" in vars(c)), RuntimeError)
         box = [(result if share else None, None if error is None else f"{type(error).__name__}: {error}", kind)]
         dist.broadcast_object_list(box, src=0)
-        shared, message, kind = box[0]
-        result = shared if share or rank != 0 else result
-        if message and rank != 0:
-            raise kind(f"rank 0 failed: {message}")
+        if rank != 0:
+            result, message, kind = box[0]
+            if message:
+                raise kind(f"rank 0 failed: {message}")
     if error is not None:
         raise error
     return result

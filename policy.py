@@ -37,7 +37,7 @@ class CausalLM(torch.nn.Module):
         if packed.images and self.vision is None:
             raise ValueError("sequences with images need a vision-language model")
         weight = self.hf.lm_head.weight
-        if not self.unsharded_on_gpu():
+        if self.sharded or weight.device.type != "cuda" or weight.dtype != torch.float32:
             return head(self.response_hidden(packed), weight)
         # One process leaves the model unsharded, so FSDP2's MixedPrecisionPolicy (bf16 parameters)
         # never applies, and it trained in float32: 2.4x slower on an H100 at 0.5B
@@ -46,10 +46,6 @@ class CausalLM(torch.nn.Module):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             hidden = self.response_hidden(packed)
         return head(hidden.to(torch.bfloat16), weight.to(torch.bfloat16))
-
-    def unsharded_on_gpu(self) -> bool:
-        weight = self.hf.lm_head.weight
-        return not self.sharded and weight.device.type == "cuda" and weight.dtype == torch.float32
 
     def response_hidden(self, packed: packing.Packed) -> torch.Tensor:
         """The last hidden states [N, H] at packed's response positions."""
@@ -88,38 +84,32 @@ class CausalLM(torch.nn.Module):
         those as text, and so does this."""
         model, ids = self.hf.model, packed.input_ids
         embeds = model.get_input_embeddings()(ids)
-        if packed.images:
-            pixels = self.vision.pixel_inputs(packed.image_mask, packed.images)
-            features = model.get_image_features(pixels["pixel_values"].to(ids.device),
-                                                pixels["image_grid_thw"].to(ids.device)).pooler_output
-            embeds = embeds.masked_scatter(packed.image_mask[..., None].to(ids.device),
-                                           torch.cat(features).to(embeds.dtype))
-            positions, _ = model.get_rope_index(ids, mm_token_type_ids=packed.image_mask.long().to(ids.device),
-                                                image_grid_thw=pixels["image_grid_thw"].to(ids.device),
-                                                attention_mask=packed.attention_mask)
-            return {"inputs_embeds": embeds, "position_ids": positions}
-        if self.sharded:
-            # FSDP2: each vision-tower block's all-gather and gradient reduce-scatter are
-            # collectives, so a rank whose sequences have no picture (an idle rank, a text row)
-            # runs the tower too, on a blank picture, and keeps it in the graph with weight 0.
-            pixels = self.vision.pixel_inputs(*self.vision.blank())
-            features = model.get_image_features(pixels["pixel_values"].to(ids.device),
-                                                pixels["image_grid_thw"].to(ids.device)).pooler_output
-            embeds = embeds + 0.0 * features[0].sum()
-        return {"inputs_embeds": embeds}
+        if not packed.images and not self.sharded:
+            return {"inputs_embeds": embeds}
+        # FSDP2: each vision-tower block's all-gather and gradient reduce-scatter are
+        # collectives, so a rank whose sequences have no picture (an idle rank, a text row)
+        # runs the tower too, on a blank picture, and keeps it in the graph with weight 0.
+        pictures = (packed.image_mask, packed.images) if packed.images else self.vision.blank()
+        pixels = self.vision.pixel_inputs(*pictures)
+        grid = pixels["image_grid_thw"].to(ids.device)
+        features = model.get_image_features(pixels["pixel_values"].to(ids.device), grid).pooler_output
+        if not packed.images:
+            return {"inputs_embeds": embeds + 0.0 * features[0].sum()}
+        embeds = embeds.masked_scatter(packed.image_mask[..., None].to(ids.device),
+                                       torch.cat(features).to(embeds.dtype))
+        positions, _ = model.get_rope_index(ids, mm_token_type_ids=packed.image_mask.long().to(ids.device),
+                                            image_grid_thw=grid, attention_mask=packed.attention_mask)
+        return {"inputs_embeds": embeds, "position_ids": positions}
 
 
 def load_policy(model_dir: str, cfg: Config, world: int, device, from_rank0: bool | None = None):
     """The HF model in model_dir as a CausalLM on device, float32, FSDP2-sharded when world > 1.
 
-    One process (world 1) reads the checkpoint and moves it to the device, as before. Under
-    torchrun rank 0 alone reads the checkpoint, in its own dtype, on the CPU; every rank builds
-    the model on the meta device (no memory), shards it and allocates only its own float32
-    shards on the device; the weights then arrive by broadcast from rank 0, a piece of one
-    tensor at a time, each rank keeping its rows (broadcast_weights). So no rank but 0 ever
-    holds the whole model, or even one whole tensor of it, and no device holds more than its
-    shards plus one piece (docs/scale.md has the figures). from_rank0: the broadcast path also
-    at world 1 (a bench's one-rank process group); default world > 1."""
+    One process reads the checkpoint and moves it to the device. Under torchrun rank 0 alone
+    reads it (in its own dtype, on the CPU) and broadcasts it piece by piece into every rank's
+    own shards of an empty_policy (broadcast_weights): no rank but 0 ever holds a whole tensor
+    (docs/scale.md, Loading). from_rank0: the broadcast path also at world 1 (a bench's one-rank
+    process group); default world > 1."""
     if not (world > 1 if from_rank0 is None else from_rank0):
         hf = _auto_class(model_dir).from_pretrained(model_dir, dtype=torch.float32)
         if cfg.model.gradient_checkpointing:
@@ -155,12 +145,10 @@ LOAD_CHUNK_BYTES = 64 << 20  # at most this much of a tensor in flight at a time
 @torch.no_grad()
 def broadcast_weights(hf, full: dict, device):
     """Rank 0's full tensors (full: its state dict, in the checkpoint's dtype; empty on the other
-    ranks) into every rank's shards of hf, in the order of hf's state dict. Each tensor travels
-    in pieces of whole rows of at most LOAD_CHUNK_BYTES, and each rank copies (and casts) the rows
-    of each piece that fall in its own shard, so that no rank but 0 ever holds a whole tensor:
-    torch's set_model_state_dict(broadcast_from_rank0=True) receives each tensor whole on every
-    rank, and the embedding or LM head of a large-vocabulary model can be a quarter of its
-    parameters (bench/results/scale.md)."""
+    ranks) into every rank's shards of hf, in the order of hf's state dict: each tensor in pieces
+    of whole rows of at most LOAD_CHUNK_BYTES, each rank copying (and casting) the rows in its
+    own shard. Not torch's set_model_state_dict(broadcast_from_rank0=True), which receives each
+    tensor whole on every rank (docs/scale.md, Loading)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     state, identity = hf.state_dict(), tensor_identity(hf)
@@ -171,28 +159,24 @@ def broadcast_weights(hf, full: dict, device):
                          f"{sorted(set(kinds[0]) - set(state))[:5]}, only in the model {sorted(set(state) - set(kinds[0]))[:5]}")
     done = set()
     for key, target in state.items():
-        if identity.get(key, id(target)) in done:  # a tied LM head: its embedding's tensor, loaded once
+        tensor = identity.get(key, id(target))
+        if tensor in done:  # a tied LM head: its embedding's tensor, loaded once
             continue
-        done.add(identity.get(key, id(target)))
-        local = target.to_local() if isinstance(target, DTensor) else target
-        shape = tuple(target.shape)
-        if isinstance(target, DTensor):  # FSDP2: dim 0 sharded, this rank's rows [lo, lo + local rows)
+        done.add(tensor)
+        dtype = kinds[0][key]
+        shape = tuple(target.shape) or (1,)  # a scalar travels as one row (atleast_1d: a view of it)
+        local = torch.atleast_1d(local_tensor(target))
+        lo = 0  # FSDP2 shards dim 0: this rank's rows are [lo, lo + local rows)
+        if isinstance(target, DTensor):
             lo = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)[1][0]
-        else:
-            lo = 0
-        if not shape:  # a scalar
-            piece = full[key].to(device) if dist.get_rank() == 0 else torch.empty((), dtype=kinds[0][key], device=device)
-            dist.broadcast(piece, src=0)
-            local.copy_(piece)
-            continue
-        row_bytes = max(1, math.prod(shape[1:])) * torch.empty((), dtype=kinds[0][key]).element_size()
+        row_bytes = max(1, math.prod(shape[1:])) * dtype.itemsize
         step = max(1, LOAD_CHUNK_BYTES // row_bytes)
         for a in range(0, shape[0], step):
             b = min(a + step, shape[0])
             if dist.get_rank() == 0:
-                piece = full[key][a:b].to(device).contiguous()
+                piece = torch.atleast_1d(full[key])[a:b].to(device).contiguous()
             else:
-                piece = torch.empty((b - a, *shape[1:]), dtype=kinds[0][key], device=device)
+                piece = torch.empty((b - a, *shape[1:]), dtype=dtype, device=device)
             dist.broadcast(piece, src=0)
             start, end = max(a, lo), min(b, lo + local.shape[0])
             if start < end:
@@ -200,7 +184,7 @@ def broadcast_weights(hf, full: dict, device):
             del piece
 
 
-def empty_policy(model_dir: str, cfg: Config, world: int, device) -> "CausalLM":
+def empty_policy(model_dir: str, cfg: Config, world: int, device) -> CausalLM:
     """model_dir's architecture, FSDP2-sharded when world > 1, with uninitialised float32
     weights allocated on device: built on the meta device, sharded, then each rank's own
     shards allocated (to_empty). load_policy and copy_policy fill it."""
@@ -217,7 +201,7 @@ def empty_policy(model_dir: str, cfg: Config, world: int, device) -> "CausalLM":
 
 
 @torch.no_grad()
-def copy_policy(policy: "CausalLM", model_dir: str, cfg: Config, world: int, device) -> "CausalLM":
+def copy_policy(policy: CausalLM, model_dir: str, cfg: Config, world: int, device) -> CausalLM:
     """A copy of the policy built like it (same wrapper, same sharding) holding its current
     weights: each rank copies its own shards, with no read from disk and no collective (the
     SDPO teacher and the DPO reference start as the policy)."""

@@ -105,18 +105,6 @@ def pin_threads(pid: int, cores: list[int]):
                     os.sched_setaffinity(tid, cores)
 
 
-def processes_since(before: set[int]) -> dict:
-    """pid -> (psutil.Process, name) of this process's descendants not in before, but
-    multiprocessing's resource tracker (not the engine's, and it outlives it)."""
-    import psutil
-    out = {}
-    for p in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline()):
-                out[p.pid] = (p, p.name())
-    return out
-
-
 def alive(process) -> bool:
     import psutil
     try:
@@ -133,24 +121,9 @@ def quiet_vllm_logging():
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = VLLM_LOGGING
 
 
-def quiet_engine_processes() -> dict:
-    """The environment of the engine's processes, less three warnings that mean nothing to a user
-    (torch's `reduce_op` deprecation, the CPU worker's NUMA note, the resource tracker's leaked
-    shared memory at exit: docs/loop.md, What the console shows), unless the user set
-    PYTHONWARNINGS or TORCH_CPP_LOG_LEVEL."""
-    env = {}
-    if "PYTHONWARNINGS" not in os.environ:
-        env["PYTHONWARNINGS"] = ("ignore::FutureWarning:vllm.triton_utils.dispatcher,"
-                                 "ignore::UserWarning:multiprocessing.resource_tracker")
-    if "TORCH_CPP_LOG_LEVEL" not in os.environ and not torch.cuda.is_available():
-        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-    return env
-
-
 def importable(env: dict, directory: str):
     """Make directory's modules importable in every process vLLM starts."""
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else paths
+    paths = [p for p in env.get("PYTHONPATH", os.environ.get("PYTHONPATH", "")).split(os.pathsep) if p]
     if directory not in paths:
         env["PYTHONPATH"] = os.pathsep.join([directory] + paths)
 
@@ -167,10 +140,8 @@ def use_plugins(env: dict):
 def cpu_split(cfg: Config) -> tuple[list[int], int, int]:
     """On CPU: (the cores the engine's worker computes on, each rank's torch threads while the
     engine generates beside the trainer, and while it does not). Taking turns, each gets every
-    core; with --train.off_policy_steps 1 they split them, since two OpenMP pools on the same
-    cores slow each other many times over (docs/async.md, Threads on a CPU). A thread count the
-    user set (the flags, OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND) is kept.
-    """
+    core; with --train.off_policy_steps 1 they split them (why: docs/async.md, Threads on a CPU).
+    A thread count the user set (the flags, OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND) is kept."""
     cores = sorted(os.sched_getaffinity(0))
     ahead = cfg.train.off_policy_steps > 0
     engine = min(len(cores), cfg.rollout.cpu_threads or (max(1, len(cores) // 2) if ahead else len(cores)))
@@ -216,7 +187,14 @@ def engine_env(placement: str, own_process: bool, cpu_cores: list[int] | None, w
     if not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # the user's wins
         bound = cpu_cores or sorted(os.sched_getaffinity(0))
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, bound))
-    env.update(quiet_engine_processes())
+    # Less three warnings that mean nothing to a user (torch's `reduce_op` deprecation, the CPU
+    # worker's NUMA note, the resource tracker's leaked shared memory at exit: docs/loop.md, What
+    # the console shows), unless the user set PYTHONWARNINGS or TORCH_CPP_LOG_LEVEL.
+    if "PYTHONWARNINGS" not in os.environ:
+        env["PYTHONWARNINGS"] = ("ignore::FutureWarning:vllm.triton_utils.dispatcher,"
+                                 "ignore::UserWarning:multiprocessing.resource_tracker")
+    if "TORCH_CPP_LOG_LEVEL" not in os.environ and not torch.cuda.is_available():
+        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     importable(env, ROOT)  # the workers load sync.WeightReceiver
     return env, bound
 
@@ -225,7 +203,13 @@ def supervise(before: set[int], bound: list[int] | None) -> tuple[dict, object]:
     """The engine's processes started since before (pid -> (psutil.Process, name)), and a reaper
     that ends them when this process ends without closing the engine (kill -9: vLLM's own
     processes outlive their parent); on CPU their threads pinned to bound."""
-    started = processes_since(before)
+    import psutil
+    started = {}
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            # multiprocessing's resource tracker is not the engine's, and it outlives it
+            if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline()):
+                started[p.pid] = (p, p.name())
     # REAPER: a small process that terminates them once this process has gone (its stdin closes),
     # then removes the directories written to it (reap_directory)
     reaper = subprocess.Popen([sys.executable, "-c", REAPER, *map(str, started)], stdin=subprocess.PIPE,

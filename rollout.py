@@ -295,10 +295,10 @@ class Engine:
                     reap_directory(self._reaper, self._sync_dir)
             sync.write_sync_file(self._sync_dir, weights)
             load = lambda: self._reload(weights_path=self._sync_dir)
+        elif isinstance(weights, dict):  # into this process: a fresh iterator for each load
+            load = lambda: self._reload(weights_iterator=((k, v.detach()) for k, v in weights.items()))
         else:
-            pairs = [(k, v.detach()) for k, v in weights.items()] if isinstance(weights, dict) else None
-            # a fresh iterator for each load
-            load = lambda: self._reload(weights_iterator=iter(pairs) if pairs is not None else weights.tensors())
+            load = lambda: self._reload(weights_iterator=weights.tensors())
         diff = self._load_and_probe(load, probe_ids, probe_images, trainer_probe_logprobs)
         reloads = 0
         if not diff <= tol:  # NaN fails too; a miss is loaded once more (docs/sync.md: seen once)
@@ -380,16 +380,15 @@ class Engine:
         if self._sync_dir:
             shutil.rmtree(self._sync_dir, ignore_errors=True)
             self._sync_dir = None
-        llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
+        if self.llm is not None:
             with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown(timeout=2)
-            del llm
-        reaper, self._reaper = getattr(self, "_reaper", None), None
-        if reaper is not None:
-            reaper.stdin.close()  # it ends whatever shutdown left running, then exits
+                self.llm.llm_engine.engine_core.shutdown(timeout=2)
+            self.llm = None
+        if self._reaper is not None:
+            self._reaper.stdin.close()  # it ends whatever shutdown left running, then exits
             with contextlib.suppress(Exception):
-                reaper.wait(timeout=30)
+                self._reaper.wait(timeout=30)
+            self._reaper = None
 
 
 @torch.no_grad()

@@ -1,26 +1,17 @@
 """Weight sync: the trainer's weights into the vLLM engine after every update, and the proof.
 
-Two ways to move them (--rollout.sync):
-- group (default): a torch.distributed group between trainer rank 0 and the engine's
-  worker(s), gloo on CPU and NCCL on GPUs, one code path, set up through vLLM's worker
-  extension (WeightReceiver, loaded into every worker) and `collective_rpc`. Every trainer rank
-  gathers the FSDP2 shards one tensor at a time (WeightStream); rank 0 casts each to the
-  engine's dtype and packs it into a bucket of at most --rollout.sync_bucket_mb (a tensor
-  larger than that travels alone), and broadcasts the bucket to the worker while it gathers the
-  next. The worker hands each bucket to vLLM's layer-wise reload as it arrives
-  (`reload_weights(weights_iterator=...)`: a layer is loaded and re-processed once all its
-  tensors are in; the rest of the processing runs once at the end). No file, and no full state
-  dict on any host: at most two buckets and one tensor on rank 0 at a time. The engine on
-  another node is the same code: --rollout.sync_addr names the address its workers reach
-  trainer rank 0 at.
-- file: rank 0 gathers the whole state dict on its CPU and writes it as one safetensors file
-  (into /dev/shm where there is one), which the engine reads back.
+Two ways to move them (--rollout.sync; how each works and costs: docs/sync.md):
+- group (default): a torch.distributed group of trainer rank 0 and the engine's worker(s),
+  gloo on CPU and NCCL on GPUs. Every trainer rank gathers the FSDP2 shards one tensor at a time
+  (WeightStream); rank 0 sends them in buckets, which the worker (WeightReceiver, a vLLM worker
+  extension) loads layer by layer as they arrive: no file, and no full state dict on any host.
+- file: rank 0 gathers the whole state dict and writes one safetensors file, which the engine reads.
 An engine in the trainer's own process takes the tensors directly, without either.
 
-Then the engine scores a fixed probe sequence (with a picture for a vision-language model)
-and must match the trainer's log-probs of it within --rollout.sync_tol (docs/sync.md);
-`rollout.Engine.update_weights` does the load, the cache resets and the proof.
+Then the engine scores a fixed probe sequence and must match the trainer's log-probs of it
+within --rollout.sync_tol; `rollout.Engine.update_weights` does the load, the cache resets and the proof.
 """
+import contextlib
 import datetime
 import json
 import os
@@ -33,7 +24,7 @@ import torch.distributed as dist
 
 import chunked_head
 import microbatch
-from distributed import Dist, rank0_call, reshard
+from distributed import Dist, full_tensor, rank0_call, reshard
 from policy import CausalLM, pad_token_id, tensor_identity
 
 
@@ -139,9 +130,7 @@ class WeightStream:
         identity, shared = tensor_identity(hf), {}  # one meta tensor per distinct tensor: a tied LM head is its embedding
         meta = {k: shared.setdefault(identity.get(k, id(v)), torch.empty(v.shape, dtype=v.dtype, device="meta"))
                 for k, v in self.state.items()}
-        key_of = {}
-        for k, t in meta.items():
-            key_of.setdefault(id(t), k)
+        key_of = {id(t): k for k, t in reversed(meta.items())}  # each tensor's first key
         named = engine_state(hf, meta)
         sources = {}  # state key -> checkpoint names, in the state dict's order
         for name, tensor in named.items():
@@ -149,13 +138,12 @@ class WeightStream:
                 raise ValueError(f"--rollout.sync group cannot stream {name!r}: transformers converts this model's "
                                  f"weights on saving (not only renames them); use --rollout.sync file")
             sources.setdefault(key_of[id(tensor)], []).append(name)
-        width = torch.empty(0, dtype=self.dtype).element_size()
         buckets, current, used = [], [], 0
         for key in self.state:
             if key not in sources:
                 continue
             shape = tuple(self.state[key].shape)
-            nbytes = width * int(torch.Size(shape).numel())
+            nbytes = self.dtype.itemsize * torch.Size(shape).numel()
             start = -(-used // ALIGN) * ALIGN
             if current and start + nbytes > self.bucket_bytes:
                 buckets.append(current)
@@ -177,12 +165,9 @@ class WeightStream:
         return bucket[-1].offset + bucket[-1].nbytes
 
     def _full(self, entry: Entry) -> torch.Tensor:
-        """The whole tensor in the engine's dtype (a collective under FSDP2: every rank calls it)."""
-        from torch.distributed.tensor import DTensor
-        t = self.state[entry.source].detach()
-        if isinstance(t, DTensor):
-            return t.to(self.dtype).full_tensor()  # cast first: half the bytes gathered at bf16
-        return t.to(self.dtype)
+        """The whole tensor in the engine's dtype (a collective under FSDP2: every rank calls it),
+        cast before the gather: half the bytes gathered at bf16."""
+        return full_tensor(self.state[entry.source].detach().to(self.dtype))
 
     def _pass(self):
         """One gather of every tensor; on rank 0 yields each bucket as a flat uint8 tensor."""
@@ -289,7 +274,12 @@ class WeightReceiver:
                 for name, shape, offset, size in entries:
                     yield name, buf[offset:offset + size].view(dtype).view(shape)
         self.reload_weights(weights_iterator=weights())
-        release_freed_memory()
+        if not torch.cuda.is_available():
+            # each load re-creates and re-packs every layer's weights: hand the memory it freed back
+            # to the system (docs/sync.md, Engine memory over a long run)
+            import ctypes
+            with contextlib.suppress(OSError, AttributeError):  # not glibc
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
         return received
 
     def parameter_digest(self) -> dict:
@@ -301,19 +291,6 @@ class WeightReceiver:
         tensors.update(model.named_buffers())
         return {name: hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                                      if t.numel() else b"").hexdigest() for name, t in tensors.items()}
-
-
-def release_freed_memory():
-    """Hand the memory a weight load freed back to the system (glibc's malloc_trim), after each
-    load through the group: each re-creates and re-packs every layer's weights. Whether this
-    holds the engine worker's memory flat over a long run is not measured yet (issue 51)."""
-    if torch.cuda.is_available():
-        return
-    import ctypes
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 # ----------------------------------------------------------------------------------------
@@ -347,9 +324,8 @@ def image_probe(tokenizer) -> tuple[list[int], list]:
 
 
 def probe_logprobs(policy, tokenizer, d: Dist):
-    """The fixed probe (ids, pictures or None) and the trainer's log-probs of it: what the engine's
-    must match after a sync. A vision-language model's probe holds a picture: a sync that missed
-    the vision tower fails it."""
+    """The fixed probe (ids, pictures or None: image_probe for a vision-language model) and the
+    trainer's log-probs of it: what the engine's must match after a sync."""
     probe, pictures = image_probe(tokenizer) if policy.vision is not None else \
         (probe_ids(tokenizer), None)
     scored = policy.vision.expand(probe, pictures)[0] if pictures else probe  # the engine scores the expanded ids
@@ -386,7 +362,7 @@ def sync_engine(cfg, engine, policy, tokenizer, d: Dist, version: int) -> dict:
         weights.follow()
     result = rank0_call(d, load)
     moved = weights.bytes_moved if isinstance(weights, WeightStream) else \
-        sum(t.numel() * t.element_size() for t in (weights or {}).values())
+        sum(t.numel() * t.element_size() for t in weights.values())
     return {"sync/seconds": time.perf_counter() - t0 - result.waited_s, "sync/probe_max_abs_diff": result.probe_max_abs_diff,
             "time/wait_rollout_s": result.waited_s, "time/wait_sync_s": result.engine_idle_s,
             "sync/reloads": result.reloads, "sync/megabytes": moved / 1e6}

