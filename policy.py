@@ -40,9 +40,9 @@ class CausalLM(torch.nn.Module):
         if self.sharded or weight.device.type != "cuda" or weight.dtype != torch.float32:
             return head(self.response_hidden(packed), weight)
         # One process leaves the model unsharded, so FSDP2's MixedPrecisionPolicy (bf16 parameters)
-        # never applies, and it trained in float32: 2.4x slower on an H100 at 0.5B
-        # (bench/results/gpu.md). bf16 autocast over the network, and the head in bf16 as FSDP2
-        # runs it; parameters, gradients and AdamW stay float32.
+        # never applies, and it trained in float32, measurably slower (bench/results/gpu.md).
+        # bf16 autocast over the network, and the head in bf16 as FSDP2 runs it; parameters,
+        # gradients and AdamW stay float32.
         with torch.autocast("cuda", dtype=torch.bfloat16):
             hidden = self.response_hidden(packed)
         return head(hidden.to(torch.bfloat16), weight.to(torch.bfloat16))
