@@ -186,11 +186,9 @@ def score(fn: Callable, response: str, row: dict, truncated: bool) -> Reward:
     try:
         out = fn(response, row, truncated)
     except Exception as e:
-        where = ""
-        tb = traceback.extract_tb(e.__traceback__)
-        if tb:
-            where = f" at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}"
-        return Reward(0.0, "", f"{type(e).__name__}: {e} (reward {fn_name}{where}, row uid {uid})")
+        at = traceback.extract_tb(e.__traceback__)[-1]  # never empty: it holds this frame at least
+        where = f"{os.path.basename(at.filename)}:{at.lineno}"
+        return Reward(0.0, "", f"{type(e).__name__}: {e} (reward {fn_name} at {where}, row uid {uid})")
 
     feedback, error = "", ""
     if isinstance(out, Reward):
