@@ -76,7 +76,7 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             metrics, first_eval = evaluate_start(engine, tokenizer, eval_rows, cfg, baseline, d)
             logger.log(0, metrics)
         batches = Batches(cfg, objective, engine, tokenizer, train_rows, d, ahead, trainer.models)
-        progress = logger.progress(start_step, cfg.train.steps)
+        logger.progress(start_step, cfg.train.steps)
         checks = warm_start_checks(cfg, objective, tokenizer)  # rows and prompts, where a target may stop it
         for step in range(start_step, cfg.train.steps):
             t_step = time.perf_counter()
@@ -97,13 +97,11 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             metrics.update(warm_start_estimates(cfg, trainer.models.policy, tokenizer, checks, step + 1, d))
             logger.log(step + 1, metrics)
             logger.log_samples(step + 1, rollouts)
-            progress.update(metrics)
             if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
                 save_checkpoint(os.path.join(cfg.log.out_dir, f"checkpoint-{step + 1}"), trainer, step + 1,
                                 batches.next_batch(), d, first_eval)
             if checks and target_reached(cfg, metrics, step + 1, d):
                 break
-        progress.close()
         save_hf(os.path.join(cfg.log.out_dir, "final"), trainer.models.policy, tokenizer, d)
         return metrics
     finally:
