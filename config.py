@@ -140,10 +140,6 @@ class DpoConfig:
     ref_update_every: int = 0  # the reference becomes the policy every N steps (SPIN's iterations); 0: never
     reference_free: bool = False  # no reference model: the log-ratios are the policy's log-probs alone
 
-    def __post_init__(self):
-        if self.reference_free and self.ref_update_every:
-            raise ValueError("--dpo.reference_free has no reference to refresh: drop --dpo.ref_update_every")
-
 
 @dataclass
 class GadConfig:
@@ -398,6 +394,8 @@ def check_config(cfg: Config):
             raise FlagError(f"--{name}={flag_value(c, name)}: a rate, 0 to 1")
     if not 0 <= c.dpo.label_smoothing < 0.5:
         raise FlagError(f"--dpo.label_smoothing={c.dpo.label_smoothing}: must be at least 0 and below 0.5")
+    if c.dpo.reference_free and c.dpo.ref_update_every:
+        raise FlagError("--dpo.reference_free has no reference to refresh: drop --dpo.ref_update_every")
     objective = objectives.OBJECTIVES[c.algo.name]  # a unit of the split: a prompt's samples, or a sample
     single = c.train.shuffle_samples and not (objective.keep_prompts_together or objective.references)
     units = c.train.prompts_per_step * (c.rollout.n if single else 1)
