@@ -26,7 +26,7 @@ from feedback.code.sandbox import Limits, RunResult, run_tests
 FORMAT_FEEDBACK = "Format Error: no code found. Put your solution in a ```python code block."
 FENCE = "```"
 LANGS = ("python", "py", "python3")
-_LANG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_+-")
+_LANG = re.compile(r"[ \t]*([A-Za-z0-9_+-]*)")
 
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:
@@ -41,11 +41,8 @@ def fenced_blocks(text: str) -> list[tuple[str, str]]:
         close = text.find(FENCE, newline + 1)
         if close < 0:  # no later fence can close either: every later search starts further on
             break
-        info = text[start + 3:newline].lstrip(" \t")
-        n = 0
-        while n < len(info) and info[n] in _LANG_CHARS:
-            n += 1
-        blocks.append((info[:n], text[newline + 1:close]))
+        lang = _LANG.match(text, start + 3, newline).group(1)
+        blocks.append((lang, text[newline + 1:close]))
         pos = close + 3
     return blocks
 
