@@ -190,15 +190,13 @@ def score(fn: Callable, response: str, row: dict, truncated: bool) -> Reward:
         where = f"{os.path.basename(at.filename)}:{at.lineno}"
         return Reward(0.0, "", f"{type(e).__name__}: {e} (reward {fn_name} at {where}, row uid {uid})")
 
-    feedback, error = "", ""
     if isinstance(out, Reward):
-        value, feedback, error = out.score, out.feedback, out.error
-    elif isinstance(out, dict):
-        if "score" not in out:
-            return Reward(0.0, "", f"reward {fn_name} returned a dict without 'score' for row uid {uid}")
-        value, feedback, error = out["score"], out.get("feedback", ""), out.get("error", "")
-    else:
-        value = out
+        out = vars(out)
+    elif not isinstance(out, dict):
+        out = {"score": out}
+    if "score" not in out:
+        return Reward(0.0, "", f"reward {fn_name} returned a dict without 'score' for row uid {uid}")
+    value, feedback, error = out["score"], out.get("feedback", ""), out.get("error", "")
     # bool, int, float, numpy / torch scalars; a string is not a number even if it looks like one
     if isinstance(value, (str, bytes)) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
         return Reward(0.0, "", f"reward {fn_name} returned a non-number score {value!r} "
