@@ -2,12 +2,8 @@
 `--section.name=value` as wandb sweep agents pass them; `python run.py --help` lists them.
 
 The flags' defaults are the pretrained-model preset: what a run on a model you bring
-(`--model.path DIR`) should start from (the comments say where each value comes from). The
-tiny model the project builds needs other values; they are recipes, small tables of flag values
-(tiny_models.RECIPE, and a task's own in its file: tasks/strops.py, tasks/quiz.py, tasks/shapes.py),
-applied by name and printed at the start. Flags
-given on the command line always win over the recipe. The resolved config (the recipe's name
-included) goes to <out_dir>/config.json and the wandb run.
+(`--model.path DIR`) should start from (the comments say where each value comes from). The tiny
+model the project builds needs other values: its recipe and the tasks' (README, Configuration).
 """
 import dataclasses
 import json
