@@ -200,14 +200,14 @@ def prepare_rollouts(engine, tokenizer, rows, cfg: Config, objective, step: int)
     rollouts = generate_and_score(engine, tokenizer, rows, cfg, stream_seed("generation", cfg.train.seed, step),
                                   cfg.rollout.n, cfg.rollout.temperature)
     n = len(rollouts)
+    errors = [r for r in rollouts if r.reward_error]
     metrics = {
         "reward/mean": sum(r.reward for r in rollouts) / n,
         "reward/success_rate": success_rate(rollouts, cfg),
-        "reward/errors": sum(bool(r.reward_error) for r in rollouts),
+        "reward/errors": len(errors),
         "response/length_mean": sum(len(r.response_ids) for r in rollouts) / n,
         "response/truncated_frac": sum(r.truncated for r in rollouts) / n,
     }
-    errors = [r for r in rollouts if r.reward_error]
     if errors and len(errors) == n:  # nothing was scored: training on zeros would only hide it
         first, name = errors[0], cfg.data.reward or errors[0].row["reward"]
         raise data.UserError(f"step {step + 1}: all {n} rewards raised, so nothing was scored; the reward {name!r} "
