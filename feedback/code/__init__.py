@@ -82,9 +82,8 @@ def values_equal(got, expected, tol: float | None = None) -> bool:
         return len(got) == len(expected) and all(values_equal(g, e, tol) for g, e in zip(got, expected))
     if isinstance(got, dict) and isinstance(expected, dict):
         return got.keys() == expected.keys() and all(values_equal(got[k], expected[k], tol) for k in got)
-    if isinstance(got, bool) or isinstance(expected, bool):
-        return type(got) is type(expected) and got == expected
-    if isinstance(got, (int, float)) and isinstance(expected, (int, float)):
+    number = lambda value: isinstance(value, (int, float)) and not isinstance(value, bool)
+    if number(got) and number(expected):
         return got == expected if tol is None else math.isclose(got, expected, rel_tol=tol, abs_tol=tol)
     return type(got) is type(expected) and got == expected
 
