@@ -6,6 +6,7 @@ The flags' defaults are the pretrained-model preset: what a run on a model you b
 model the project builds needs other values: its recipe and the tasks' (README, Configuration).
 """
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -323,13 +324,10 @@ def tyro_error(box: str) -> str:
     """tyro's error box, condensed: its first paragraph and, for an unknown flag, the suggestion.
     The box is drawn with lines (a terminal) or, where rich thinks it cannot, as a title over rules."""
     frame = [line.strip().strip("│|").strip() for line in box.strip().splitlines()]
-    paragraphs = [[]]
-    for row in frame:
-        if row.startswith(("╭", "╰")) or (row and not row.strip("─-")):  # a border or a rule
-            paragraphs.append([])
-        elif row:
-            paragraphs[-1].append(row)
-    paragraphs = [p for p in paragraphs if p][0 if frame and frame[0].startswith("╭") else 1:]  # less the title
+    border = lambda row: row.startswith(("╭", "╰")) or not row.strip("─-")  # a border or a rule
+    groups = itertools.groupby(filter(None, frame), border)  # blank rows ignored
+    paragraphs = [list(rows) for is_border, rows in groups if not is_border]
+    paragraphs = paragraphs[0 if frame and frame[0].startswith("╭") else 1:]  # less the title
     if not paragraphs:
         return box.strip() or "the flags cannot be parsed"
     meant = next((p[1].split()[0] for p in paragraphs if len(p) > 1 and p[0].startswith("Perhaps you meant")), "")
