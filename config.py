@@ -2,14 +2,11 @@
 `--section.name=value` as wandb sweep agents pass them; `python run.py --help` lists them.
 
 The flags' defaults are the pretrained-model preset: what a run on a model you bring
-(`--model.path DIR`) should start from (the comments say where each value comes from). The
-tiny model the project builds needs other values; they are recipes, small tables of flag values
-(tiny_models.RECIPE, and a task's own in its file: tasks/strops.py, tasks/quiz.py, tasks/shapes.py),
-applied by name and printed at the start. Flags
-given on the command line always win over the recipe. The resolved config (the recipe's name
-included) goes to <out_dir>/config.json and the wandb run.
+(`--model.path DIR`) should start from (the comments say where each value comes from). The tiny
+model the project builds needs other values: its recipe and the tasks' (README, Configuration).
 """
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -139,10 +136,6 @@ class DpoConfig:
     label_smoothing: float = 0.0  # ε of sigmoid (conservative DPO) and robust; < 0.5
     ref_update_every: int = 0  # the reference becomes the policy every N steps (SPIN's iterations); 0: never
     reference_free: bool = False  # no reference model: the log-ratios are the policy's log-probs alone
-
-    def __post_init__(self):
-        if self.reference_free and self.ref_update_every:
-            raise ValueError("--dpo.reference_free has no reference to refresh: drop --dpo.ref_update_every")
 
 
 @dataclass
@@ -331,13 +324,10 @@ def tyro_error(box: str) -> str:
     """tyro's error box, condensed: its first paragraph and, for an unknown flag, the suggestion.
     The box is drawn with lines (a terminal) or, where rich thinks it cannot, as a title over rules."""
     frame = [line.strip().strip("│|").strip() for line in box.strip().splitlines()]
-    paragraphs = [[]]
-    for row in frame:
-        if row.startswith(("╭", "╰")) or (row and not row.strip("─-")):  # a border or a rule
-            paragraphs.append([])
-        elif row:
-            paragraphs[-1].append(row)
-    paragraphs = [p for p in paragraphs if p][0 if frame and frame[0].startswith("╭") else 1:]  # less the title
+    border = lambda row: row.startswith(("╭", "╰")) or not row.strip("─-")  # a border or a rule
+    groups = itertools.groupby(filter(None, frame), border)  # blank rows ignored
+    paragraphs = [list(rows) for is_border, rows in groups if not is_border]
+    paragraphs = paragraphs[0 if frame and frame[0].startswith("╭") else 1:]  # less the title
     if not paragraphs:
         return box.strip() or "the flags cannot be parsed"
     meant = next((p[1].split()[0] for p in paragraphs if len(p) > 1 and p[0].startswith("Perhaps you meant")), "")
@@ -398,6 +388,8 @@ def check_config(cfg: Config):
             raise FlagError(f"--{name}={flag_value(c, name)}: a rate, 0 to 1")
     if not 0 <= c.dpo.label_smoothing < 0.5:
         raise FlagError(f"--dpo.label_smoothing={c.dpo.label_smoothing}: must be at least 0 and below 0.5")
+    if c.dpo.reference_free and c.dpo.ref_update_every:
+        raise FlagError("--dpo.reference_free has no reference to refresh: drop --dpo.ref_update_every")
     objective = objectives.OBJECTIVES[c.algo.name]  # a unit of the split: a prompt's samples, or a sample
     single = c.train.shuffle_samples and not (objective.keep_prompts_together or objective.references)
     units = c.train.prompts_per_step * (c.rollout.n if single else 1)

@@ -21,6 +21,11 @@ DEMO_RIGHT = "sdpo/teacher_minus_student_logprob_demo_right"
 DEMO_WRONG = "sdpo/teacher_minus_student_logprob_demo_wrong"
 LOWERED_RIGHT_NATS, RIGHT_OVER_WRONG_NATS = -0.1, 0.1
 
+# The metrics the progress bar shows, by their short names
+SHOWN = {"reward/mean": "reward", "reward/success_rate": "success", "eval/success_rate": "eval",
+         "sdpo/teacher_coverage": "coverage", "sdpo/divergence": "div", "dpo/accuracy": "pref_acc",
+         "gad/d_acc": "d_acc", "time/step_s": "s/step"}
+
 
 def samples_table(records: list[dict]):
     """log_samples' records as a wandb Table. A cell holds text (wandb cannot type a list of
@@ -38,6 +43,7 @@ class Logger:
 
     def __init__(self, cfg: Config, rank: int):
         self.rank, self.cfg, self.run, self.samples, self.warned = rank, cfg, None, None, set()
+        self.bar = None  # the progress bar, once progress() starts it
         self.recent_gaps = []  # the last FLAT_TEACHER_WINDOW steps' teacher-minus-student entropy
         self.recent_demo = []  # (right, wrong) of the last FLAT_TEACHER_WINDOW steps that had both
         if rank != 0:
@@ -64,6 +70,9 @@ class Logger:
         # early warnings on stderr, each once, the first time its metric crosses its threshold
         self.warn_flat_teacher(step, record)
         self.warn_undiscerning_teacher(step, record)
+        if self.bar is not None:
+            self.bar.set_postfix({short: f"{metrics[k]:.3g}" for k, short in SHOWN.items() if k in metrics})
+            self.bar.update(1)
 
     def warn_flat_teacher(self, step: int, record: dict):
         """A teacher flatter than the student by more than FLAT_TEACHER_NATS in one step, or by any
@@ -93,10 +102,10 @@ class Logger:
         if right is None or wrong is None or DEMO_RIGHT in self.warned:
             return
         self.recent_demo = (self.recent_demo + [(right, wrong)])[-FLAT_TEACHER_WINDOW:]
-        right = sum(r for r, _ in self.recent_demo) / len(self.recent_demo)
-        wrong = sum(w for _, w in self.recent_demo) / len(self.recent_demo)
-        if len(self.recent_demo) < FLAT_TEACHER_WINDOW or right >= LOWERED_RIGHT_NATS or \
-                right - wrong >= RIGHT_OVER_WRONG_NATS:
+        if len(self.recent_demo) < FLAT_TEACHER_WINDOW:
+            return
+        right, wrong = (sum(values) / FLAT_TEACHER_WINDOW for values in zip(*self.recent_demo))
+        if right >= LOWERED_RIGHT_NATS or right - wrong >= RIGHT_OVER_WRONG_NATS:
             return
         self.warn(DEMO_RIGHT, step,
                   f"shown a successful sibling, the teacher lowers the student's right answers ({right:+.3f} nats a "
@@ -124,8 +133,11 @@ class Logger:
         if self.run is not None and records:
             self.run.log({"samples": samples_table(records)}, step=step)
 
-    def progress(self, start, total):
-        return Progress(start, total, self.rank == 0 and self.cfg.log.progress, self.cfg.algo.name)
+    def progress(self, start: int, total: int):
+        """A progress bar at step start of total, which each log() from here on advances."""
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, initial=start, desc=self.cfg.algo.name, dynamic_ncols=True,
+                        disable=self.rank != 0 or not self.cfg.log.progress)
 
     def truncate(self, step: int):
         """Drop the records after step (a resumed run logs them again)."""
@@ -141,6 +153,8 @@ class Logger:
         self.file = open(path, "a")
 
     def close(self):
+        if self.bar is not None:
+            self.bar.close()
         if self.rank == 0 and not self.file.closed:
             self.file.close()
             if self.samples is not None:
@@ -149,26 +163,8 @@ class Logger:
                 self.run.finish()
 
 
-class Progress:
-    SHOWN = {"reward/mean": "reward", "reward/success_rate": "success", "eval/success_rate": "eval",
-             "sdpo/teacher_coverage": "coverage", "sdpo/divergence": "div", "dpo/accuracy": "pref_acc",
-             "gad/d_acc": "d_acc", "time/step_s": "s/step"}
-
-    def __init__(self, start, total, enabled, desc):
-        from tqdm import tqdm
-        self.bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=not enabled)
-
-    def update(self, metrics):
-        self.bar.set_postfix({short: f"{metrics[k]:.3g}" for k, short in self.SHOWN.items() if k in metrics})
-        self.bar.update(1)
-
-    def close(self):
-        self.bar.close()
-
-
 def step_time(rollouts: list, started: float) -> dict:
-    """The step's seconds since started (a perf_counter reading) and its tokens, prompts and
-    responses, per second."""
+    """The step's seconds since started (a perf_counter reading) and its rollouts' tokens a second."""
     seconds = time.perf_counter() - started
     tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
     return {"time/step_s": seconds, "throughput/tokens_per_s": tokens / seconds}

@@ -76,7 +76,7 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             metrics, first_eval = evaluate_start(engine, tokenizer, eval_rows, cfg, baseline, d)
             logger.log(0, metrics)
         batches = Batches(cfg, objective, engine, tokenizer, train_rows, d, ahead, trainer.models)
-        progress = logger.progress(start_step, cfg.train.steps)
+        logger.progress(start_step, cfg.train.steps)
         checks = warm_start_checks(cfg, objective, tokenizer)  # rows and prompts, where a target may stop it
         for step in range(start_step, cfg.train.steps):
             t_step = time.perf_counter()
@@ -97,13 +97,11 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             metrics.update(warm_start_estimates(cfg, trainer.models.policy, tokenizer, checks, step + 1, d))
             logger.log(step + 1, metrics)
             logger.log_samples(step + 1, rollouts)
-            progress.update(metrics)
             if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
                 save_checkpoint(os.path.join(cfg.log.out_dir, f"checkpoint-{step + 1}"), trainer, step + 1,
                                 batches.next_batch(), d, first_eval)
             if checks and target_reached(cfg, metrics, step + 1, d):
                 break
-        progress.close()
         save_hf(os.path.join(cfg.log.out_dir, "final"), trainer.models.policy, tokenizer, d)
         return metrics
     finally:
@@ -202,14 +200,14 @@ def prepare_rollouts(engine, tokenizer, rows, cfg: Config, objective, step: int)
     rollouts = generate_and_score(engine, tokenizer, rows, cfg, stream_seed("generation", cfg.train.seed, step),
                                   cfg.rollout.n, cfg.rollout.temperature)
     n = len(rollouts)
+    errors = [r for r in rollouts if r.reward_error]
     metrics = {
         "reward/mean": sum(r.reward for r in rollouts) / n,
         "reward/success_rate": success_rate(rollouts, cfg),
-        "reward/errors": sum(bool(r.reward_error) for r in rollouts),
+        "reward/errors": len(errors),
         "response/length_mean": sum(len(r.response_ids) for r in rollouts) / n,
         "response/truncated_frac": sum(r.truncated for r in rollouts) / n,
     }
-    errors = [r for r in rollouts if r.reward_error]
     if errors and len(errors) == n:  # nothing was scored: training on zeros would only hide it
         first, name = errors[0], cfg.data.reward or errors[0].row["reward"]
         raise data.UserError(f"step {step + 1}: all {n} rewards raised, so nothing was scored; the reward {name!r} "

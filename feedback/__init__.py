@@ -3,12 +3,9 @@
 A reward function has the signature `fn(response: str, row: dict, truncated: bool)` and returns a
 float/int/bool, a dict {"score": ..., "feedback": ...}, or a `Reward`. Callers go through `score`
 / `score_batch`, which normalise the result and turn any failure of the function into
-`Reward(score=0.0, error=...)`, so that one broken row never kills a training step.
-
-Built-in functions: "math", "code", "mc", and each synthetic task's checker by its task's name
-("strops", "quiz", "shapes": tasks/; see `get_reward_fn`). The feedback text is
-what the SDPO teacher sees, so it must never leak the ground truth by default and must
-be deterministic: the same response gives the same text.
+`Reward(score=0.0, error=...)`, so that one broken row never kills a training step. The built-in
+ones: `get_reward_fn`. The feedback text is what the SDPO teacher sees, so it must never leak the
+ground truth by default and must be deterministic: the same response gives the same text.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ import functools
 import importlib
 import importlib.util
 import json
-import numbers
 import os
 import re
 import sys
@@ -186,23 +182,19 @@ def score(fn: Callable, response: str, row: dict, truncated: bool) -> Reward:
     try:
         out = fn(response, row, truncated)
     except Exception as e:
-        where = ""
-        tb = traceback.extract_tb(e.__traceback__)
-        if tb:
-            where = f" at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}"
-        return Reward(0.0, "", f"{type(e).__name__}: {e} (reward {fn_name}{where}, row uid {uid})")
+        at = traceback.extract_tb(e.__traceback__)[-1]  # never empty: it holds this frame at least
+        where = f"{os.path.basename(at.filename)}:{at.lineno}"
+        return Reward(0.0, "", f"{type(e).__name__}: {e} (reward {fn_name} at {where}, row uid {uid})")
 
-    feedback, error = "", ""
     if isinstance(out, Reward):
-        value, feedback, error = out.score, out.feedback, out.error
-    elif isinstance(out, dict):
-        if "score" not in out:
-            return Reward(0.0, "", f"reward {fn_name} returned a dict without 'score' for row uid {uid}")
-        value, feedback, error = out["score"], out.get("feedback", ""), out.get("error", "")
-    else:
-        value = out
-    # bool, int, float, numpy / torch scalars; a string is not a number even if it looks like one
-    if isinstance(value, (str, bytes)) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
+        out = vars(out)
+    elif not isinstance(out, dict):
+        out = {"score": out}
+    if "score" not in out:
+        return Reward(0.0, "", f"reward {fn_name} returned a dict without 'score' for row uid {uid}")
+    value, feedback, error = out["score"], out.get("feedback", ""), out.get("error", "")
+    # bool, int, float, numpy / torch scalars; not a string that looks like a number (numpy's str_ too)
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
         return Reward(0.0, "", f"reward {fn_name} returned a non-number score {value!r} "
                                f"({type(value).__name__}) for row uid {uid}")
     try:

@@ -58,10 +58,7 @@ def extract_answer(response: str) -> str | None:
 def normalize(answer: str) -> str:
     """Canonical form for comparison: no spaces/$/latex spacing, no thousands commas, no leading
     "+", no trailing zeros after a decimal point ("42.0" -> "42", "0.50" -> "0.5")."""
-    s = answer.strip()
-    m = re.fullmatch(r"\\text\{(.*)\}", s)
-    if m:
-        s = m.group(1)
+    s = re.sub(r"^\\text\{(.*)\}$", r"\1", answer.strip())
     s = s.replace("−", "-").replace("$", "").replace("\\!", "").replace("\\,", "").replace("\\ ", "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\left", "").replace("\\right", "")
     s = re.sub(r"\s+", "", s).rstrip(".")

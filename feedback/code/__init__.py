@@ -26,7 +26,7 @@ from feedback.code.sandbox import Limits, RunResult, run_tests
 FORMAT_FEEDBACK = "Format Error: no code found. Put your solution in a ```python code block."
 FENCE = "```"
 LANGS = ("python", "py", "python3")
-_LANG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_+-")
+_LANG = re.compile(r"[ \t]*([A-Za-z0-9_+-]*)")
 
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:
@@ -41,11 +41,8 @@ def fenced_blocks(text: str) -> list[tuple[str, str]]:
         close = text.find(FENCE, newline + 1)
         if close < 0:  # no later fence can close either: every later search starts further on
             break
-        info = text[start + 3:newline].lstrip(" \t")
-        n = 0
-        while n < len(info) and info[n] in _LANG_CHARS:
-            n += 1
-        blocks.append((info[:n], text[newline + 1:close]))
+        lang = _LANG.match(text, start + 3, newline).group(1)
+        blocks.append((lang, text[newline + 1:close]))
         pos = close + 3
     return blocks
 
@@ -85,9 +82,8 @@ def values_equal(got, expected, tol: float | None = None) -> bool:
         return len(got) == len(expected) and all(values_equal(g, e, tol) for g, e in zip(got, expected))
     if isinstance(got, dict) and isinstance(expected, dict):
         return got.keys() == expected.keys() and all(values_equal(got[k], expected[k], tol) for k in got)
-    if isinstance(got, bool) or isinstance(expected, bool):
-        return type(got) is type(expected) and got == expected
-    if isinstance(got, (int, float)) and isinstance(expected, (int, float)):
+    number = lambda value: isinstance(value, (int, float)) and not isinstance(value, bool)
+    if number(got) and number(expected):
         return got == expected if tol is None else math.isclose(got, expected, rel_tol=tol, abs_tol=tol)
     return type(got) is type(expected) and got == expected
 
@@ -127,21 +123,22 @@ def classify(r: RunResult, limits: Limits) -> tuple[str, str] | None:
     exc = r.exception or r.load_error
     tail = _tail(exc["traceback"] or f"{exc['type']}: {exc['message']}") if exc else _tail(r.stderr)
     last = tail.splitlines()[-1] if tail else ""
-    if r.limit == "cpu" or r.returncode == -signal.SIGXCPU or (
+    fired = {  # the limit the runner's watch (or the output cap) stopped it by
+        "cpu": ("Time Limit Exceeded", f"The program used more than {limits.cpu_seconds:g} s of CPU time."),
+        "idle": ("Time Limit Exceeded", f"The program spent more than {limits.idle_seconds:g} s neither "
+                 "running nor ready to run (sleeping or waiting for something that never came)."),
+        "wall": ("Time Limit Exceeded", f"The program did not finish within {limits.max_wall_seconds:g} s."),
+        "memory": ("Memory Limit Exceeded", f"The program's processes together used more than "
+                   f"{limits.memory_mb} MiB of memory."),
+        "output": ("Output Limit Exceeded",
+                   "The function returned a value far larger than the expected one."),
+        "files": ("Disk Limit Exceeded",
+                  f"The program created more than {limits.max_files} files and directories.")}
+    if r.returncode == -signal.SIGXCPU or (
             r.returncode == -signal.SIGKILL and r.cpu_seconds >= limits.cpu_seconds - 0.1):
-        return "Time Limit Exceeded", f"The program used more than {limits.cpu_seconds:g} s of CPU time."
-    if r.limit == "idle":
-        return "Time Limit Exceeded", (f"The program spent more than {limits.idle_seconds:g} s neither running nor "
-                                       "ready to run (sleeping or waiting for something that never came).")
-    if r.limit == "wall":
-        return "Time Limit Exceeded", f"The program did not finish within {limits.max_wall_seconds:g} s."
-    if r.limit == "memory":
-        return "Memory Limit Exceeded", (f"The program's processes together used more than {limits.memory_mb} MiB "
-                                         "of memory.")
-    if r.limit == "output":
-        return "Output Limit Exceeded", "The function returned a value far larger than the expected one."
-    if r.limit == "files":
-        return "Disk Limit Exceeded", f"The program created more than {limits.max_files} files and directories."
+        return fired["cpu"]
+    if r.limit:
+        return fired[r.limit]
     if _out_of_memory(exc, last):
         return "Memory Limit Exceeded", f"The program tried to use more than {limits.memory_mb} MiB of memory."
     if "[Errno 27] File too large" in last:  # RLIMIT_FSIZE; Python ignores SIGXFSZ, so writes fail
@@ -206,18 +203,18 @@ def code_reward(response: str, row: dict, truncated: bool, **limits) -> Reward:
         return Reward(0.0, _error_feedback("Compile Error", err, None))
 
     order = shortest_first(tests, test_size)
-    results = run_tests(code, [tests[i] for i in order], limits, stop_on_error=True)
+    results = run_tests(code, [tests[i] for i in order], limits)
     failures = []
     for r in results:
         test = tests[order[r.index]]
         if r.error:  # the sandbox broke: not the model's fault, so no feedback, just the error
             return Reward(0.0, "", f"sandbox: {r.error}")
-        if "expected" in test and not r.has_value and classify(r, limits) is None:  # never read as None
-            return Reward(0.0, "", "sandbox: a call ended with neither a value nor an error")
         bad = classify(r, limits)
         if bad is not None:
             inp = _shown_input(test) if "assert" not in test else r.last_call.get("call")
             return Reward(0.0, _error_feedback(bad[0], bad[1], inp))
+        if "expected" in test and not r.has_value:  # never read as None
+            return Reward(0.0, "", "sandbox: a call ended with neither a value nor an error")
         fields = _failure_fields(r, test)
         if fields is not None:
             failures.append(fields)

@@ -24,6 +24,7 @@ import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from pathlib import PurePosixPath
 
 from feedback.code.harness import KEPT_OUTPUT as KEPT, SAFE_PATH, decode_value, encode_value
 
@@ -124,7 +125,8 @@ def _probe() -> Isolation:
                "which sizes and modes tmpfs mounts (Ubuntu 22.04 ships 0.6: install a newer one)")
     elif bwrap is not None:
         try:
-            out = _run_job(Isolation(bwrap, root, ()), Limits(), _job("", [], None, ROOT, 0, False), 60)
+            job = _job("", [], None, ROOT, 0, sys.executable, Limits())
+            out = _run_job(Isolation(bwrap, root, ()), Limits(), job, 60)
             if out.returncode == 0:
                 return Isolation(bwrap, root, ())
             said = out.stderr.strip()[-500:] or f"exit {out.returncode}"
@@ -177,7 +179,7 @@ def accept_weak_sandbox() -> None:
         warnings.warn(text, RuntimeWarning, stacklevel=2)
 
 
-def require_isolation(allow_weak: bool) -> Isolation:
+def require_isolation(allow_weak: bool) -> None:
     """At start-up of a run that executes model-written code: raise SandboxUnavailable, naming
     what cannot be enforced, unless the sandbox is isolated or `allow_weak`."""
     iso = isolation()
@@ -185,7 +187,6 @@ def require_isolation(allow_weak: bool) -> Isolation:
         if not allow_weak:
             raise SandboxUnavailable(_refusal(iso))
         accept_weak_sandbox()
-    return iso
 
 
 def _refusal(iso: Isolation) -> str:
@@ -197,14 +198,13 @@ def _refusal(iso: Isolation) -> str:
 # running tests
 
 
-def run_tests(code: str, tests: list[dict], limits: Limits | None = None,
-              stop_on_error: bool = True) -> list[RunResult]:
-    """Run `code` against `tests`, in order, in one sandbox. A test is {"input": str} (stdin; the
-    trainer compares stdout), {"fn", "args", "kwargs"} (a call; consecutive ones share one program
-    process) or {"fn", "assert"} (test code calling `candidate`). With stop_on_error, stop after
-    the first test that errors, is killed or, for assert tests, fails. Never raises for problems
-    of the program; a broken sandbox gives a result with .error set. Raises SandboxUnavailable
-    if the sandbox is weak and that was not accepted."""
+def run_tests(code: str, tests: list[dict], limits: Limits | None = None) -> list[RunResult]:
+    """Run `code` against `tests`, in order, in one sandbox, stopping after the first test that
+    errors or is killed (a wrong answer or a failed assertion does not stop them). A test is
+    {"input": str} (stdin; the trainer compares stdout), {"fn", "args", "kwargs"} (a call;
+    consecutive ones share one program process) or {"fn", "assert"} (test code calling
+    `candidate`). Never raises for problems of the program; a broken sandbox gives a result with
+    .error set. Raises SandboxUnavailable if the sandbox is weak and that was not accepted."""
     limits = limits or Limits()
     if not tests:
         return []
@@ -224,7 +224,7 @@ def run_tests(code: str, tests: list[dict], limits: Limits | None = None,
         if python is None:
             return [RunResult(0, error=f"no Python interpreter is executable by the sandbox uid {uid} "
                                        f"({sys.executable!r} is not reachable by it, no python3 in {SAFE_PATH})")]
-        job = _job(code, tests, uid, root_dir, nproc_base, stop_on_error, python, limits)
+        job = _job(code, tests, uid, root_dir, nproc_base, python, limits)
         budget = len(tests) * (limits.max_wall_seconds + 10) + 60  # the runner's own limits come first
         out = _run_job(iso, limits, job, budget, cwd=None if iso.isolated else root_dir)
         results = [_result(r) for r in out.results]
@@ -239,12 +239,11 @@ def run_tests(code: str, tests: list[dict], limits: Limits | None = None,
             os.close(lock_fd)  # releases the uid
 
 
-def _job(code: str, tests: list[dict], uid: int | None, root_dir: str, nproc_base: int, stop_on_error: bool,
-         python: str = sys.executable, limits: Limits | None = None) -> dict:
+def _job(code: str, tests: list[dict], uid: int | None, root_dir: str, nproc_base: int, python: str,
+         limits: Limits) -> dict:
     """The runner's job: the tests grouped by kind (consecutive call tests share a process). What
     the program may send back is sized by what the test expects (its stdout, a call's value), so
     that what reaches the trainer is bounded by the row, not by the program."""
-    limits = limits or Limits()
     groups: list[dict] = []
     for i, t in enumerate(tests):
         if "input" in t:
@@ -264,7 +263,7 @@ def _job(code: str, tests: list[dict], uid: int | None, root_dir: str, nproc_bas
             else:
                 groups.append({"kind": "calls", "calls": [call], "indices": [i]})
     return {"code": code, "tests": groups, "uid": uid, "root_dir": root_dir, "nproc_base": nproc_base,
-            "stop_on_error": stop_on_error, "python": python,
+            "stop_on_error": True, "python": python,
             "harness": HARNESS_INSIDE if root_dir == ROOT else HARNESS, "limits": asdict(limits)}
 
 
@@ -305,7 +304,8 @@ def _run_job(iso: Isolation, limits: Limits, job: dict, timeout: float, cwd: str
         try:
             _, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _killpg(proc.pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, 9)
             _, err = proc.communicate()
             error = f"sandbox runner hung for {timeout:.0f} s"
         os.lseek(out_fd, 0, os.SEEK_SET)
@@ -361,10 +361,7 @@ def _runtime_mounts() -> list[str]:
         if any(p == top or p.startswith(top + "/") for top in ("/usr", "/bin", "/lib", "/lib64")):
             continue
         # bwrap makes missing parents 0700, which the program's uid could not cross (pyenv under /root)
-        parents = [os.path.dirname(p)]
-        while parents[-1] != "/":
-            parents.append(os.path.dirname(parents[-1]))
-        for d in reversed(parents[:-1]):
+        for d in map(str, reversed(PurePosixPath(p).parents[:-1])):  # /a, /a/b of /a/b/c
             if d in made:
                 continue
             made.add(d)
@@ -379,11 +376,6 @@ def _runtime_mounts() -> list[str]:
     for d in frozen:
         argv += ["--remount-ro", d]
     return argv
-
-
-def _killpg(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, 9)
 
 
 def _rmtree(path: str) -> None:
