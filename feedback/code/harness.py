@@ -392,7 +392,7 @@ class Runner:
             for index, r in zip(test["indices"], results):
                 out.write(json.dumps({"index": index, **r}) + "\n")
                 out.flush()
-            if self.job["stop_on_error"] and any(_failed(r) for r in results):
+            if any(_failed(r) for r in results):
                 return
 
     def _output_fds(self, stdin: str) -> list[int]:
@@ -641,7 +641,7 @@ def _test_failure(e: BaseException, source: str) -> dict:
 
 
 def _failed(r: dict) -> bool:
-    """Did the program end this test badly (then, with stop_on_error, no further test runs)? A
+    """Did the program end this test badly (then no further test runs)? A
     wrong answer, a failed assertion included, is not such an end."""
     return bool(r.get("error") or r.get("limit") or r.get("died") or "load_error" in r or "exception" in r
                 or r.get("returncode") not in (0, None))

@@ -263,8 +263,7 @@ def _job(code: str, tests: list[dict], uid: int | None, root_dir: str, nproc_bas
             else:
                 groups.append({"kind": "calls", "calls": [call], "indices": [i]})
     return {"code": code, "tests": groups, "uid": uid, "root_dir": root_dir, "nproc_base": nproc_base,
-            "stop_on_error": True, "python": python,
-            "harness": HARNESS_INSIDE if root_dir == ROOT else HARNESS, "limits": asdict(limits)}
+            "python": python, "harness": HARNESS_INSIDE if root_dir == ROOT else HARNESS, "limits": asdict(limits)}
 
 
 def _result(r: dict) -> RunResult:
