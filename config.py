@@ -366,7 +366,7 @@ AT_LEAST = {"train.steps": 0, "train.prompts_per_step": 1, "train.mini_batches":
             "rollout.n": 1, "rollout.max_tokens": 1, "rollout.eval_k": 1, "rollout.cpu_threads": 0,
             "train.cpu_threads": 0, "data.train_rows": 1, "data.eval_rows": 1, "sdpo.topk": 1,
             "dpo.ref_update_every": 0, "gad.disc_steps": 1, "gad.warmup_steps": 0, "gad.critic_warmup": 0,
-            "train.warm_start_context_steps": 0, "train.warm_start_check_every": 1}
+            "train.warm_start_context_steps": 0, "train.warm_start_check_every": 1, "log.samples_per_step": 0}
 POSITIVE = ("optim.lr", "rollout.temperature", "rollout.eval_temperature", "dpo.beta", "gad.lr", "gad.grad_clip")
 RATES = ("sdpo.teacher_rate", "train.warm_start_target")
 

@@ -1383,6 +1383,7 @@ def test_every_recipe_sets_known_flags_only(monkeypatch):
     ("--train.mini_batches=200 --train.shuffle_samples=True",
      "--train.mini_batches=200: more optimizer steps than the 128 samples"),
     ("--sdpo.teacher_rate=1.5", "--sdpo.teacher_rate=1.5: a rate"),
+    ("--log.samples_per_step=-1", "--log.samples_per_step=-1: must be at least 0"),  # [:-1] took all but one
     ("--data.task=shapes --data.shapes_warm_start_questions=count,size",
      "--data.shapes_warm_start_questions=count,size: unknown kinds ['size']"),
 ])
