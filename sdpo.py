@@ -97,10 +97,12 @@ def reprompt_content(cfg: SdpoConfig, prompt, demonstration: str | None, feedbac
     and they stay as they are and in place, so the teacher sees the same pictures."""
     solution = "" if demonstration is None else cfg.solution_template.format(successful_previous_attempt=demonstration)
     fb = "" if feedback is None else cfg.feedback_template.format(feedback_raw=feedback)
+    marker = "\x00prompt\x00"  # where a list of parts goes
+    text = cfg.reprompt_template.format(prompt=prompt if isinstance(prompt, str) else marker, solution=solution,
+                                        feedback=fb)
     if isinstance(prompt, str):
-        return cfg.reprompt_template.format(prompt=prompt, solution=solution, feedback=fb)
-    marker = "\x00prompt\x00"
-    before, after = cfg.reprompt_template.format(prompt=marker, solution=solution, feedback=fb).split(marker)
+        return text
+    before, after = text.split(marker)
     parts = [{"type": "text", "text": before}] + list(prompt) + [{"type": "text", "text": after}]
     merged = []
     for part in parts:  # adjacent text parts as one: the render equals the text-only prompt's
