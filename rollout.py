@@ -7,7 +7,7 @@ Image prompts are token ids with one image token per picture; a Sample's prompt_
 engine's expanded ids (image_prompts.ImagePrompts).
 """
 import contextlib
-import itertools
+import json
 import os
 import shutil
 import sys
@@ -108,6 +108,33 @@ def _cpu_engine_args(model_dir: str, dtype: str, max_model_len: int, kv_cache_to
     return args
 
 
+class EngineClient:
+    """vLLM's weight-sync client protocol (`VLLMWeightSyncClient`) over an Engine's LLM, in this
+    process or in the engine's own (the offline LLM's RL calls, each watched: Engine._call), and
+    `rpc` for the worker extension's methods (sdpo_transfer.WeightProof)."""
+
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+
+    def rpc(self, method: str, *args, **kwargs) -> list:
+        """collective_rpc into every worker: their results."""
+        engine = self.engine
+        return engine._call(f"weight sync ({method})", engine.llm.collective_rpc, method, timeout=engine.rpc_timeout_s,
+                            args=args, kwargs=kwargs)
+
+    def init_weight_transfer_engine(self, init_info: dict):
+        self.rpc("init_weight_transfer_engine", init_info=init_info)
+
+    def start_weight_update(self):
+        self.rpc("start_weight_update")
+
+    def update_weights(self, update_info):
+        self.rpc("update_weights", update_info=update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None):
+        self.rpc("finish_weight_update")
+
+
 class Engine:
     """A vLLM engine driven by rank 0.
 
@@ -148,13 +175,15 @@ class Engine:
         self._idle_since = None  # when the last generation ended
         self.expected_keys = sync.checkpoint_keys(model_dir)
         self._sync_dir = None  # the file path's directory
-        self.sync_addr, self._weight_group = sync_addr, None  # the group path's
+        self.sync_addr, self._transfer, self.identity = sync_addr, None, None  # the group path's (sync.py)
         engine_args = {} if torch.cuda.is_available() else _cpu_engine_args(model_dir, dtype, max_model_len,
                                                                             kv_cache_tokens)
         self.vision = "vision_config" in sync.checkpoint_config(model_dir)
         if self.vision:  # images only: no video processor without torchvision, and no video budget to profile
             engine_args["limit_mm_per_prompt"] = {"image": MAX_IMAGES_PER_PROMPT, "video": 0}
-            use_plugins(env)
+        use_plugins(env)  # the engine's processes load vllm_plugins/: the proven weight transfer
+        sync.transfer_module()  # registered here too: an engine in this process loads vLLM's plugins once
+        transfer = {"backend": sync.WORKER_BACKEND[sync.transfer_backend(placement, False, torch.cuda.is_available())]}
         t0 = time.perf_counter()
         before = descendants() if own_process else set()
         with patched_env(env, TORCHRUN_VARS if own_process else ()):
@@ -168,7 +197,7 @@ class Engine:
                 # the trainer reproduces by dividing its logits by the same temperature.
                 logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                 use_tqdm_on_load=False,  # its bar at every weight sync would break the run's own
-                worker_extension_cls="sync.WeightReceiver", **engine_args)
+                worker_extension_cls="sdpo_transfer.WeightProof", weight_transfer_config=transfer, **engine_args)
         self.start_seconds = time.perf_counter() - t0
         # The engine core and its workers: watched during every call (see _call), and ended by a
         # reaper process when this one ends without closing the engine (processes.supervise).
@@ -267,14 +296,15 @@ class Engine:
 
     def update_weights(self, weights, probe_ids: list[int], trainer_probe_logprobs: torch.Tensor,
                        tol: float, version: int | None = None, probe_images: list | None = None) -> SyncResult:
-        """Load weights into the engine, reset the prefix cache, and prove it. weights: a full
-        HF-named state dict (through a file, or directly into an engine in this process), or a
-        sync.WeightStream (through the weight group, or directly into an engine in this process).
+        """Load weights into the engine, reset the prefix cache, and prove it. weights: a
+        sync.PolicySource (vLLM's weight-transfer API: the group path) or a full HF-named state
+        dict (through a file, or directly into an engine in this process).
 
         trainer_probe_logprobs: the probe's log-probs under the weights being synced
         (`probe_logprobs`; probe_images: its pictures, `sync.image_probe`). version: what later samples
         are stamped with (default: one more than now). Waits for a background job first. Raises
-        EngineError when keys are missing or the probe misses tol (max abs, nats) twice.
+        EngineError when keys are missing, or when the proof fails twice: the engine's digests of
+        what it loaded differ from the trainer's (group path), or the probe misses tol (max abs, nats).
         """
         waited = self._finish_background()
         t0 = time.perf_counter()
@@ -284,8 +314,8 @@ class Engine:
             # vLLM reloads layer by layer and keeps *every* old weight when one key is absent.
             raise EngineError(f"weight sync: state dict lacks {len(missing)} checkpoint keys, e.g. "
                               f"{sorted(missing)[:5]} (a tied lm_head.weight must be included)")
-        if not isinstance(weights, dict) and self.own_process:
-            load = lambda: self._stream_weights(weights)
+        if not isinstance(weights, dict):
+            load = lambda: self._transfer_weights(weights)
         elif self.own_process:
             # Tensors cannot cross to the engine process by pickling (bf16 has no buffer
             # protocol), so they go through a safetensors file in shared memory.
@@ -295,16 +325,18 @@ class Engine:
                     reap_directory(self._reaper, self._sync_dir)
             sync.write_sync_file(self._sync_dir, weights)
             load = lambda: self._reload(weights_path=self._sync_dir)
-        elif isinstance(weights, dict):  # into this process: a fresh iterator for each load
+        else:  # into this process: a fresh iterator for each load
             load = lambda: self._reload(weights_iterator=((k, v.detach()) for k, v in weights.items()))
-        else:
-            load = lambda: self._reload(weights_iterator=weights.tensors())
-        diff = self._load_and_probe(load, probe_ids, probe_images, trainer_probe_logprobs)
+        wrong, diff = self._load_and_prove(load, weights, probe_ids, probe_images, trainer_probe_logprobs)
         reloads = 0
-        if not diff <= tol:  # NaN fails too; a miss is loaded once more (docs/sync.md: seen once)
-            print(f"weight sync: the engine's probe log-probs differ from the trainer's by {diff:.4g} nats "
-                  f"(tolerance {tol}); loading the weights once more", file=sys.stderr, flush=True)
-            reloads, diff = 1, self._load_and_probe(load, probe_ids, probe_images, trainer_probe_logprobs)
+        if wrong or not diff <= tol:  # NaN fails too; a miss is loaded once more (docs/sync.md: seen once)
+            miss = "; ".join(wrong) or f"the engine's probe log-probs differ from the trainer's by {diff:.4g} nats " \
+                                       f"(tolerance {tol})"
+            print(f"weight sync: {miss}; loading the weights once more", file=sys.stderr, flush=True)
+            reloads = 1
+            wrong, diff = self._load_and_prove(load, weights, probe_ids, probe_images, trainer_probe_logprobs)
+        if wrong:
+            raise EngineError(f"weight sync did not arrive, also after loading it again: {'; '.join(wrong)}")
         if not diff <= tol:
             raise EngineError(f"weight sync did not arrive: engine and trainer probe log-probs differ by "
                               f"{diff:.4g} nats (tolerance {tol}), also after loading them again")
@@ -315,54 +347,68 @@ class Engine:
     def _reload(self, **kwargs):
         self._call("weight sync", self.llm.collective_rpc, "reload_weights", timeout=self.rpc_timeout_s, kwargs=kwargs)
 
-    def _stream_weights(self, stream):
-        """One pass of a sync.WeightStream through the weight group: the workers receive and load
-        the buckets (an RPC that returns once they have) while this thread gathers the next
-        bucket and another sends the last. A failure stops the sending, not the gathering, which
-        the other trainer ranks take part in: the pass runs to its end, then the error is raised."""
-        if self._weight_group is None:
-            self._weight_group = self._open_weight_group()
-        group, error, sending = self._weight_group, None, None
-        receiving = Background(lambda: self.llm.collective_rpc(
-            "receive_weights", timeout=self.rpc_timeout_s, args=(stream.plan(), str(stream.dtype).split(".")[-1])),
-            name="vLLM weight sync")
-        for bucket in itertools.chain(stream.buckets(), [None]):  # None: after the last bucket
-            if error is not None:
-                continue
-            try:
-                if sending is not None:
-                    self._wait("weight sync", sending, receiving)
-                if bucket is None:
-                    self._wait("weight sync", receiving)
-                else:
-                    sending = Background(lambda b=bucket: group.broadcast(b, 0).wait(),
-                                         name="weight sync send")
-            except EngineError as e:
-                error = e
-        if error is not None:
-            self._weight_group = None  # in an unknown state
-            raise error
+    def client(self):
+        """vLLM's weight-sync client protocol (and collective_rpc) for this engine."""
+        return EngineClient(self)
 
-    def _open_weight_group(self):
-        """The process group of this process (rank 0) and the engine's workers (sync.py)."""
-        host, port = sync.group_address(self.sync_addr)
-        workers = self.llm.llm_engine.vllm_config.parallel_config.world_size
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        joining = Background(lambda: self.llm.collective_rpc(
-            "init_weight_group", timeout=self.rpc_timeout_s, args=(host, port, 1 + workers, backend, self.rpc_timeout_s)),
-            name="vLLM weight group")
-        # under torchrun, torch's rendezvous would join torchrun's own store instead of opening one
-        with patched_env({}, ["TORCHELASTIC_USE_AGENT_STORE"]):
-            opening = Background(lambda: sync.init_group(host, port, 0, 1 + workers, backend, self.rpc_timeout_s),
-                                 name="weight group")
-            self._wait("weight group set-up", joining, opening)
-            return self._wait("weight group set-up", opening)
+    def _transfer_weights(self, source):
+        """One pass of vLLM's weight transfer (the other trainer ranks follow it, sync.PolicySource):
+        rank 0's trainer engine drives the engine's start/update/finish_weight_update and sends. The
+        trainer engine is made at the first sync (a group opened with the workers), and dropped
+        when a pass fails (the next sync opens a new one)."""
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+        if self._transfer is None:
+            client = self.client()
+            aliases = json.dumps(source.aliases)
+            self.identity = client.rpc("sdpo_begin_session", aliases)[0]  # a half-done update is closed
+            host, port = sync.group_address(self.sync_addr, self.transfer_host())
+            init = sync.trainer_init_info(source.backend, 0, source.bucket_bytes, self.rpc_timeout_s, host, port,
+                                          1 + self.workers())
+            # under torchrun, torch's rendezvous would join torchrun's own store instead of opening one
+            with patched_env({}, ["TORCHELASTIC_USE_AGENT_STORE"]):
+                self._transfer = self._guarded("weight transfer set-up", lambda: WeightTransferTrainerFactory
+                                               .trainer_init(init, client=client, source=source))
+        self._transfer.source = source
+        source.begin_pass()
+        self._guarded("weight sync", self._transfer.send_weights)
 
-    def _load_and_probe(self, load, probe_ids: list[int], probe_images: list | None,
-                        trainer_probe_logprobs: torch.Tensor) -> float:
-        """Reload the weights (load()), empty the caches computed with the old ones, and return
-        the engine's probe log-probs' max abs difference from the trainer's."""
+    def _guarded(self, what: str, fn):
+        """fn() of the transfer; a failure drops the trainer engine (its group is in an unknown state)."""
+        try:
+            return fn()
+        except Exception as e:
+            if self._transfer is not None:
+                with contextlib.suppress(Exception):
+                    self._transfer.shutdown()
+            self._transfer = None
+            if isinstance(e, EngineError):
+                raise
+            raise EngineError(f"vLLM weight transfer failed during {what}: {type(e).__name__}: {e}") from e
+
+    def workers(self) -> int:
+        """The engine's workers, which join the transfer's group after trainer rank 0."""
+        return self.llm.llm_engine.vllm_config.parallel_config.world_size
+
+    def transfer_host(self) -> str:
+        """Where the engine's workers reach this process when --rollout.sync_addr does not say: this machine."""
+        return "127.0.0.1"
+
+    def _load_and_prove(self, load, weights, probe_ids: list[int], probe_images: list | None,
+                        trainer_probe_logprobs: torch.Tensor) -> tuple[list[str], float]:
+        """Load the weights (load()), empty the caches computed with the old ones; (what the
+        workers' proof shows wrong, group path: sync.proof_problems; the engine's probe log-probs'
+        max abs difference from the trainer's)."""
         load()
+        wrong = [] if isinstance(weights, dict) else sync.proof_problems(weights, self.client().rpc("sdpo_weight_proof"))
+        self._reset_caches()
+        engine_probe = torch.tensor(self.score([probe_ids], [probe_images] if probe_images else None)[0])
+        if engine_probe.shape != trainer_probe_logprobs.shape:
+            raise EngineError(f"weight sync probe: the engine scored {len(engine_probe)} tokens, the trainer "
+                              f"{len(trainer_probe_logprobs)} (image tokens expanded differently?)")
+        return wrong, (engine_probe - trainer_probe_logprobs.detach().float().cpu()).abs().max().item()
+
+    def _reset_caches(self):
+        """The prefix cache (and a vision model's encoder cache) computed with the old weights."""
         if self._call("prefix cache reset", self.llm.reset_prefix_cache) is False:
             # vLLM refuses while a request holds KV blocks: generations would read the old weights' cache
             raise EngineError("weight sync: vLLM did not reset its prefix cache (a request still holds KV blocks)")
@@ -370,13 +416,12 @@ class Engine:
             # vLLM keeps the vision tower's outputs per picture; after a reload they are stale, and
             # the reload empties the worker's copy but not the scheduler's ("Encoder cache miss").
             self._call("encoder cache reset", self.llm.llm_engine.reset_encoder_cache)
-        engine_probe = torch.tensor(self.score([probe_ids], [probe_images] if probe_images else None)[0])
-        if engine_probe.shape != trainer_probe_logprobs.shape:
-            raise EngineError(f"weight sync probe: the engine scored {len(engine_probe)} tokens, the trainer "
-                              f"{len(trainer_probe_logprobs)} (image tokens expanded differently?)")
-        return (engine_probe - trainer_probe_logprobs.detach().float().cpu()).abs().max().item()
 
     def close(self):
+        if self._transfer is not None:
+            with contextlib.suppress(Exception):
+                self._transfer.shutdown()
+            self._transfer = None
         if self._sync_dir:
             shutil.rmtree(self._sync_dir, ignore_errors=True)
             self._sync_dir = None

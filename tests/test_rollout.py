@@ -423,12 +423,16 @@ def test_a_tied_lm_head_travels_once(tiny_dir):
     from policy import load_policy
     cpu = torch.device("cpu")
     policy = load_policy(tiny_dir, run.Config(), 1, cpu)
-    stream = sync.WeightStream(policy, Dist(0, 1, cpu), torch.float32, 1 << 20)
-    assert stream.bytes_per_pass == 4 * sum(p.numel() for p in policy.parameters())
-    entries = [e for bucket in stream.buckets_plan for e in bucket]
-    assert sorted(next(e.names for e in entries if "lm_head.weight" in e.names)) == \
-        ["lm_head.weight", "model.embed_tokens.weight"]
-    assert stream.keys == sync.checkpoint_keys(tiny_dir)
+    source = sync.PolicySource(policy, Dist(0, 1, cpu), torch.float32)
+    assert source.bytes_per_pass == 4 * sum(p.numel() for p in policy.parameters())
+    names = [m.name for m in source.metadata()]
+    tied = {"model.embed_tokens.weight", "lm_head.weight"}
+    (travels,) = tied & set(names)  # one of the two names travels, the engine loads it under both
+    assert source.aliases == {travels: sorted(tied - {travels})}
+    assert source.keys == sync.checkpoint_keys(tiny_dir)
+    assert [name for name, _ in source] == names  # one pass yields what metadata() declares, in its order
+    expected = source.expected_digests()
+    assert expected["lm_head.weight"] == expected["model.embed_tokens.weight"] and set(expected) == source.keys
 
 
 def _free_port():
@@ -468,6 +472,8 @@ def check_group_vs_file(r0, r1):
         assert group["megabytes"] == r0["distinct_megabytes"]  # a tied head travels once under FSDP2 too
     assert [row["group"]["megabytes"] for row in r1["group_vs_file"]] == \
         [row["group"]["megabytes"] for row in r0["group_vs_file"]]
+    from dist_sync import order_violations
+    assert order_violations([r0["order"], r1["order"]]) == []
 
 
 def test_two_rank_torchrun_sync(tiny_dir, tmp_path):
@@ -487,3 +493,13 @@ def test_two_rank_torchrun_sync(tiny_dir, tmp_path):
     # the trainers' all-reduce still works after the engine started: 1 + 2
     assert r0["all_reduce"] == r1["all_reduce"] == 3.0
     check_group_vs_file(r0, r1)  # two more steps, each synced both ways
+    # a sync that silently leaves out a tensor, or a bucket in bf16, is named on every rank
+    for r in (r0, r1):
+        proof = r["proof"]
+        assert proof["dropped"]["tensor"] == ["model.layers.1.mlp.down_proj.weight"]
+        assert "never loaded 1 tensors, e.g. ['model.layers.1.mlp.down_proj.weight']" in proof["tensor"], proof["tensor"]
+        assert "model.layers.1.mlp.down_proj (0 of" in proof["tensor"]  # and the layer keeps its old weights
+        dropped = proof["dropped"]["bucket"]
+        assert len(dropped) > 1 and f"never loaded {len(dropped)} tensors, e.g. {dropped[:5]}" in proof["bucket"], \
+            proof["bucket"]
+        assert proof["repaired_probe_diff"] < TOL
