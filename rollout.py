@@ -21,6 +21,7 @@ import torch
 
 import data
 import feedback
+import served
 import sync
 from distributed import Dist, rank0_call
 from microbatch import Rollout
@@ -108,33 +109,6 @@ def _cpu_engine_args(model_dir: str, dtype: str, max_model_len: int, kv_cache_to
     return args
 
 
-class EngineClient:
-    """vLLM's weight-sync client protocol (`VLLMWeightSyncClient`) over an Engine's LLM, in this
-    process or in the engine's own (the offline LLM's RL calls, each watched: Engine._call), and
-    `rpc` for the worker extension's methods (sdpo_transfer.WeightProof)."""
-
-    def __init__(self, engine: "Engine"):
-        self.engine = engine
-
-    def rpc(self, method: str, *args, **kwargs) -> list:
-        """collective_rpc into every worker: their results."""
-        engine = self.engine
-        return engine._call(f"weight sync ({method})", engine.llm.collective_rpc, method, timeout=engine.rpc_timeout_s,
-                            args=args, kwargs=kwargs)
-
-    def init_weight_transfer_engine(self, init_info: dict):
-        self.rpc("init_weight_transfer_engine", init_info=init_info)
-
-    def start_weight_update(self):
-        self.rpc("start_weight_update")
-
-    def update_weights(self, update_info):
-        self.rpc("update_weights", update_info=update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None):
-        self.rpc("finish_weight_update")
-
-
 class Engine:
     """A vLLM engine driven by rank 0.
 
@@ -169,13 +143,7 @@ class Engine:
             raise ValueError("an in-process engine under torchrun with several ranks hangs at start-up; "
                              "use own_process=True")
         env, bound = engine_env(placement, own_process, cpu_cores, world_size)
-        self.model_dir, self.own_process, self.rpc_timeout_s = model_dir, own_process, rpc_timeout_s
-        self.weights_version = 0  # the checkpoint's weights
-        self._background = None  # the job started by in_background, until someone waits for it
-        self._idle_since = None  # when the last generation ended
-        self.expected_keys = sync.checkpoint_keys(model_dir)
-        self._sync_dir = None  # the file path's directory
-        self.sync_addr, self._transfer, self.identity = sync_addr, None, None  # the group path's (sync.py)
+        self._init_state(model_dir, own_process, rpc_timeout_s, sync_addr)
         engine_args = {} if torch.cuda.is_available() else _cpu_engine_args(model_dir, dtype, max_model_len,
                                                                             kv_cache_tokens)
         self.vision = "vision_config" in sync.checkpoint_config(model_dir)
@@ -203,6 +171,17 @@ class Engine:
         # reaper process when this one ends without closing the engine (processes.supervise).
         self.processes, self._reaper = supervise(before, bound) if own_process else ({}, None)
 
+    name = "vLLM engine"  # in its error messages
+
+    def _init_state(self, model_dir: str, own_process: bool, rpc_timeout_s: float, sync_addr: str):
+        self.model_dir, self.own_process, self.rpc_timeout_s = model_dir, own_process, rpc_timeout_s
+        self.weights_version = 0  # the checkpoint's weights
+        self._background = None  # the job started by in_background, until someone waits for it
+        self._idle_since = None  # when the last generation ended
+        self.expected_keys = sync.checkpoint_keys(model_dir)
+        self._sync_dir = None  # the file path's directory
+        self.sync_addr, self._transfer, self.identity = sync_addr, None, None  # the group path's (sync.py)
+
     def _call(self, what: str, fn, *args, **kwargs):
         """fn(*args, **kwargs) into vLLM, its failures as EngineError. An own-process engine
         is watched while the call runs: when its process dies, vLLM notices but a generate
@@ -211,7 +190,7 @@ class Engine:
             try:
                 return fn(*args, **kwargs)
             except Exception as e:  # vLLM's EngineDeadError, TimeoutError, broken pipes ...
-                raise EngineError(f"vLLM engine failed during {what}: {type(e).__name__}: {e}") from e
+                raise EngineError(f"{self.name} failed during {what}: {type(e).__name__}: {e}") from e
         return self._wait(what, Background(lambda: fn(*args, **kwargs), name=f"vLLM {what}"))
 
     def _wait(self, what: str, job: Background, *watched: Background):
@@ -229,7 +208,7 @@ class Engine:
         except EngineError:
             raise
         except Exception as e:  # vLLM's EngineDeadError, TimeoutError, broken pipes ...
-            raise EngineError(f"vLLM engine failed during {what}: {type(e).__name__}: {e}") from e
+            raise EngineError(f"{self.name} failed during {what}: {type(e).__name__}: {e}") from e
 
     def in_background(self, fn, name: str) -> Background:
         """Run fn(), which may call this engine, in a background thread (after any earlier job)."""
@@ -271,11 +250,9 @@ class Engine:
         from vllm import SamplingParams
         self._finish_background()
         version = self.weights_version
-        # vLLM seeds sample j of a request with seed + j: space the prompts' seeds by n so
-        # that no two samples of a batch share a random stream.
-        params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed * 1000003 + i * n,
-                                 logprobs=0, top_p=1.0, top_k=0, min_p=0.0, skip_special_tokens=True)
-                  for i in range(len(prompts))]
+        params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=s, logprobs=0,
+                                 top_p=1.0, top_k=0, min_p=0.0, skip_special_tokens=True)
+                  for s in request_seeds(seed, len(prompts), n)]
         outputs = self._call("generate", self.llm.generate, self._prompts(prompts, images), params, use_tqdm=False)
         result = [[Sample(prompt_ids=list(out.prompt_token_ids), response_ids=list(c.token_ids),
                           logprobs=[step[token].logprob for token, step in zip(c.token_ids, c.logprobs)],
@@ -349,7 +326,7 @@ class Engine:
 
     def client(self):
         """vLLM's weight-sync client protocol (and collective_rpc) for this engine."""
-        return EngineClient(self)
+        return sync.LLMClient(self)
 
     def _transfer_weights(self, source):
         """One pass of vLLM's weight transfer (the other trainer ranks follow it, sync.PolicySource):
@@ -370,7 +347,10 @@ class Engine:
                                                .trainer_init(init, client=client, source=source))
         self._transfer.source = source
         source.begin_pass()
-        self._guarded("weight sync", self._transfer.send_weights)
+        try:
+            self._guarded("weight sync", self._transfer.send_weights)
+        finally:
+            source.finish_pass()  # after a failure: the other ranks' gathers complete, then every rank raises
 
     def _guarded(self, what: str, fn):
         """fn() of the transfer; a failure drops the trainer engine (its group is in an unknown state)."""
@@ -383,7 +363,7 @@ class Engine:
             self._transfer = None
             if isinstance(e, EngineError):
                 raise
-            raise EngineError(f"vLLM weight transfer failed during {what}: {type(e).__name__}: {e}") from e
+            raise EngineError(f"{self.name} failed during {what}: {type(e).__name__}: {e}") from e
 
     def workers(self) -> int:
         """The engine's workers, which join the transfer's group after trainer rank 0."""
@@ -409,13 +389,16 @@ class Engine:
 
     def _reset_caches(self):
         """The prefix cache (and a vision model's encoder cache) computed with the old weights."""
-        if self._call("prefix cache reset", self.llm.reset_prefix_cache) is False:
+        if self._call("prefix cache reset", self._reset_prefix_cache) is False:
             # vLLM refuses while a request holds KV blocks: generations would read the old weights' cache
             raise EngineError("weight sync: vLLM did not reset its prefix cache (a request still holds KV blocks)")
         if self.vision:
             # vLLM keeps the vision tower's outputs per picture; after a reload they are stale, and
             # the reload empties the worker's copy but not the scheduler's ("Encoder cache miss").
             self._call("encoder cache reset", self.llm.llm_engine.reset_encoder_cache)
+
+    def _reset_prefix_cache(self) -> bool:
+        return self.llm.reset_prefix_cache()
 
     def close(self):
         if self._transfer is not None:
@@ -434,6 +417,85 @@ class Engine:
             with contextlib.suppress(Exception):
                 self._reaper.wait(timeout=30)
             self._reaper = None
+
+
+def request_seeds(seed: int, prompts: int, n: int) -> list[int]:
+    """Each prompt's request seed: vLLM seeds sample j of a request with seed + j, so the prompts'
+    seeds are n apart, and no two samples of a batch share a random stream."""
+    return [seed * 1000003 + i * n for i in range(prompts)]
+
+
+class ServedEngine(Engine):
+    """An engine that `vllm serve` runs (served.py: --rollout.engine http://HOST:PORT), driven by
+    rank 0 as an Engine is: generation and scoring through its completions API, the weight sync
+    through vLLM's RL routes with the same trainer engines and proof. The server outlives the run
+    (a sweep's next run reuses it warm): the run checks it serves the run's architecture, and it
+    holds the run's weights from the first sync on, which the run makes before it generates."""
+
+    def __init__(self, url: str, model_dir: str, dtype: str, rpc_timeout_s: float = 600.0, sync_addr: str = "",
+                 public_ok: bool = False):
+        t0 = time.perf_counter()
+        self._init_state(model_dir, True, rpc_timeout_s, sync_addr)
+        self.url, self.llm, self.processes, self._reaper, self.synced = url, None, {}, None, False
+        self.name = f"the served vLLM engine at {url}"  # its calls fail as a gone server's, refused or reset
+        config = sync.checkpoint_config(model_dir)
+        self.vision = "vision_config" in config
+        if self.vision:
+            raise data.FlagError(f"--rollout.engine: image prompts do not travel through the completions API; "
+                                 f"{model_dir} is a vision-language model: drop --rollout.engine")
+        served.check_address(url, public_ok)
+        self.server = self._call("connecting", served.Server, url, rpc_timeout_s)
+        self.identity = self._call("connecting", self.server.rpc, "sdpo_begin_session", "{}")[0]
+        served.check_identity(self.identity, config, dtype, url)
+        self.start_seconds = time.perf_counter() - t0
+
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, max_tokens: int,
+                 seed: int, images: list[list] | None = None) -> list[list[Sample]]:
+        self._finish_background()
+        if images:
+            raise ValueError("a served engine takes no images")
+        if not self.synced:
+            raise EngineError(f"the served engine at {self.url} holds the weights it had before this run until the "
+                              f"run's first weight sync; a run that generates before one (--eval_only, test-time "
+                              f"self-distillation) needs an engine of its own: drop --rollout.engine")
+        version = self.weights_version
+        outputs = self._call("generate", self.server.generate, prompts, n, temperature, max_tokens,
+                             request_seeds(seed, len(prompts), n))
+        result = [[Sample(prompt_ids=list(prompt), response_ids=ids, logprobs=logprobs, text=text,
+                          truncated=finish == "length", policy_version=version)
+                   for ids, logprobs, text, finish in samples] for prompt, samples in zip(prompts, outputs)]
+        self._idle_since = time.perf_counter()
+        return result
+
+    def score(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
+        self._finish_background()
+        return self._call("score", self.server.score, sequences)
+
+    def update_weights(self, weights, *args, **kwargs) -> SyncResult:
+        if isinstance(weights, dict):
+            raise data.FlagError("--rollout.sync file cannot reach a served engine: use --rollout.sync group")
+        result = super().update_weights(weights, *args, **kwargs)
+        self.synced = True
+        return result
+
+    def client(self):
+        return self.server.client()
+
+    def workers(self) -> int:
+        return self._call("weight transfer set-up", self.server.workers)
+
+    def transfer_host(self) -> str:
+        return served.local_address(self.server.host, self.server.port)
+
+    def _reset_prefix_cache(self) -> bool:
+        return self.server.reset_prefix_cache()
+
+    def close(self):
+        """The trainer's side of the transfer, and the server's; the server itself stays up."""
+        if self._transfer is not None:
+            with contextlib.suppress(Exception):
+                self.client().shutdown_weight_transfer_engine()
+        super().close()
 
 
 @torch.no_grad()
@@ -484,6 +546,13 @@ def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
         raise data.FlagError("--train.off_policy_steps 1 needs the engine in its own process "
                          "(--rollout.engine_process own or auto)")
     own = {"auto": True if ahead else None, "inprocess": False, "own": True}[cfg.rollout.engine_process]
+    if cfg.rollout.engine:  # served by `vllm serve`, elsewhere or beside
+        if d.device.type == "cpu":
+            torch.set_num_threads(cpu_split(cfg)[2])
+        status(d, f"engine: connecting to the served vLLM engine at {cfg.rollout.engine}")
+        return rank0_call(d, lambda: ServedEngine(
+            cfg.rollout.engine, model_dir, sync.engine_dtype(cfg, d.device), cfg.rollout.rpc_timeout_s,
+            cfg.rollout.sync_addr, cfg.rollout.engine_public), share=False)
     cores = None
     if d.device.type == "cpu":  # before the engine starts: an in-process one forbids changing threads after
         cores, beside, alone = cpu_split(cfg)

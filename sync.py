@@ -155,6 +155,7 @@ class PolicySource:
         self.bytes_per_pass = sum(dtype.itemsize * torch.Size(m.shape).numel() for m in self.meta)
         self.bytes_moved = 0  # over every pass so far
         self.digests = {}  # rank 0, the last pass: name -> digest of what it yielded
+        self.gathered = 0  # tensors of the current pass gathered so far
 
     def _plan(self, hf) -> list[tuple[list[str], str]]:
         identity, shared = tensor_identity(hf), {}  # one meta tensor per distinct tensor: a tied LM head is its embedding
@@ -177,13 +178,22 @@ class PolicySource:
 
     def __iter__(self):
         digest = transfer_module().digest if self.d.rank == 0 else None
+        self.gathered = 0
         for (names, key) in self.entries:
             full = self._full(key)
+            self.gathered += 1
             if digest is not None:
                 self.digests[names[0]] = digest(full)
             yield names[0], full
             del full
         self.bytes_moved += self.bytes_per_pass
+
+    def finish_pass(self):
+        """Rank 0, after its trainer engine's pass failed: the gathers the pass had left, which the
+        other ranks' passes wait in (a failed sync must not leave them in a collective)."""
+        for _, key in self.entries[self.gathered:]:
+            self._full(key)
+        self.gathered = len(self.entries)
 
     def _full(self, key: str) -> torch.Tensor:
         """The whole tensor in the engine's dtype (a collective under FSDP2: every rank calls it)."""
@@ -206,6 +216,7 @@ class PolicySource:
 
     def begin_pass(self):
         """Rank 0, before each pass of its trainer engine: the other ranks start theirs."""
+        self.gathered = 0
         if self.d.world > 1:
             dist.broadcast_object_list(["pass"], src=0)
 
@@ -224,6 +235,33 @@ class PolicySource:
             if box[0] != "pass":
                 return
             trainer_engine.send_weights()
+
+
+class LLMClient:
+    """vLLM's weight-sync client protocol (`VLLMWeightSyncClient`) over a rollout.Engine's LLM, in
+    this process or in the engine's own (the offline LLM's RL calls, each watched: Engine._call),
+    and `rpc` for the worker extension's methods (sdpo_transfer.WeightProof)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def rpc(self, method: str, *args, **kwargs) -> list:
+        """collective_rpc into every worker: their results."""
+        engine = self.engine
+        return engine._call(f"weight sync ({method})", engine.llm.collective_rpc, method, timeout=engine.rpc_timeout_s,
+                            args=args, kwargs=kwargs)
+
+    def init_weight_transfer_engine(self, init_info: dict):
+        self.rpc("init_weight_transfer_engine", init_info=init_info)
+
+    def start_weight_update(self):
+        self.rpc("start_weight_update")
+
+    def update_weights(self, update_info):
+        self.rpc("update_weights", update_info=update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None):
+        self.rpc("finish_weight_update")
 
 
 def proof_problems(source: PolicySource, proofs: list) -> list[str]:

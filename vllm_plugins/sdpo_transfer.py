@@ -18,10 +18,10 @@ the engine puts this directory on PYTHONPATH, processes.use_plugins):
   one `collective_rpc` after an update (`sdpo_weight_proof`), and a new trainer's session
   (`sdpo_begin_session`: the tied-weight aliases, a half-done update of a trainer that died closed).
 
-A digest (`digest`) is [sum, sum of squares] of the tensor's bytes read as int16 words, in int64:
-exact whatever the order of the sum, the device or the thread count, so the trainer's and the
-engine's are compared with ==, in any dtype (a float64 sum differs in its last bits when summed in
-another order). Docs: docs/sync.md.
+A digest (`digest`) is [sum, sum of squares] of the tensor's bytes read as 64-bit integer words,
+modulo 2**64: exact whatever the order of the sum, the device or the thread count, so the trainer's
+and the engine's are compared with ==, in any dtype (a float64 sum differs in its last bits when
+summed in another order). Docs: docs/sync.md.
 """
 import contextlib
 import datetime
@@ -42,19 +42,27 @@ from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine, NCCLWeightTransferEngine
 
 ALIGN = 64  # bytes: every tensor in a gloo bucket starts at a multiple, so it can be viewed in any dtype
-DIGEST_CHUNK = 1 << 24  # words digested at a time: bounds the int32 copies
+DIGEST_CHUNK = 1 << 24  # words digested at a time: bounds the squares' buffer (128 MB)
 
 
 def digest(tensor: torch.Tensor) -> list[int]:
-    """[sum, sum of squares] of the tensor's bytes as int16 words (bytes if their count is odd), int64."""
+    """[sum, sum of squares] of the tensor's bytes read as 64-bit integer words, modulo 2**64
+    (integer arithmetic wraps alike on every device: exact in any order; a few passes over memory)."""
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    words = data.view(torch.int16) if data.numel() % 2 == 0 else data
-    total = squares = 0
+    if data.numel() % 8:
+        data = torch.cat([data, data.new_zeros(8 - data.numel() % 8)])
+    elif data.data_ptr() % 8:  # a view at an odd offset into a packed buffer
+        data = data.clone()
+    words, total, squares, square = data.view(torch.int64), 0, 0, None
     for chunk in words.split(DIGEST_CHUNK):
-        w = chunk.to(torch.int32)
-        total += int(w.sum(dtype=torch.int64))
-        squares += int((w * w).sum(dtype=torch.int64))  # a word's square < 2**30: no overflow in int32
-    return [total, squares]
+        total += int(chunk.sum())
+        square = torch.mul(chunk, chunk, out=square if square is not None and len(square) == len(chunk) else None)
+        squares += int(square.sum())
+    return [signed64(total), signed64(squares)]
+
+
+def signed64(x: int) -> int:
+    return (x + 2 ** 63) % 2 ** 64 - 2 ** 63
 
 
 def bucket_plan(sizes: list[int], bucket_bytes: int) -> list[list[tuple[int, int]]]:
