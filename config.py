@@ -292,6 +292,10 @@ class Config:
     # Test-time self-distillation (paper section 5): train on each of this many held-out prompts
     # that the initial model fails, alone, and compare discovery with best-of-k; 0: off
     ttt_prompts: int = 0
+    # Print what the run would hold in memory on each GPU (or, on a CPU, each process) from the
+    # model's config.json, the flags and this node's devices, and exit: 2 where it cannot fit,
+    # naming the flag to change (plan.py; docs/scale.md)
+    plan: bool = False
 
 
 def parse_config(argv=None) -> Config:
@@ -301,7 +305,7 @@ def parse_config(argv=None) -> Config:
     comes after the recipe is chosen, so it shows the values this run uses."""
     argv = sys.argv[1:] if argv is None else list(argv)
     argv = [re.sub(r"=(true|false)$", lambda m: "=" + m.group(1).capitalize(), a, flags=re.I) for a in argv]
-    argv = ["--debug=True" if a == "--debug" else a for a in argv]
+    argv = [a + "=True" if a in ("--debug", "--plan") else a for a in argv]
     # which model, task, objective and recipe: they choose the recipe
     asked = parse_flags(Config(), [a for a in argv if a not in ("-h", "--help")])
     name = recipe_name(asked)

@@ -29,6 +29,7 @@ from data import batch_rows, read_rows, stream_seed
 from evaluate import baseline_evaluation, evaluate, evaluate_only, evaluate_start, evaluation_due, success_rate
 from logger import Logger, step_time
 from distributed import Dist, end_distributed, process_group, rank0_call, setup_distributed
+from plan import report_plan
 from policy import Trainer, build_trainer, load_tokenizer, pad_token_id
 from processes import check_devices, share_cores
 from rollout import generate_and_score, start_engine
@@ -349,6 +350,8 @@ def ctrl_c_wins():
 def main(argv=None):
     cfg = parse_config(argv)
     check_devices(cfg)  # the placement against this node's GPUs, before anything loads
+    if cfg.plan:  # what each GPU (or process) would hold, from the model's config.json alone
+        return report_plan(cfg)
     with process_group(cfg.train.collective_timeout_min) as d:  # destroyed at the end, also after an error
         cfg.log.out_dir = rank0_call(d, lambda: run_dir(cfg))  # named once, on rank 0
         if d.rank == 0:
