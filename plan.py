@@ -91,15 +91,17 @@ class Node:
 class Plan:
     """Bytes a trainer rank and the engine hold (per GPU, or per process on a CPU), by part."""
     trainer: dict = field(default_factory=dict)
-    trainer_cap: int = 0
-    engine: dict = field(default_factory=dict)
-    engine_budget: int = 0
+    trainer_cap: int = 0  # what a trainer rank may fill (TRAINER_SHARE, less a colocated engine's)
+    engine: dict = field(default_factory=dict)  # none where the run has no engine (SFT)
+    engine_budget: int = 0  # --rollout.gpu_memory_utilization of a GPU (on a CPU the parts' sum)
+    # the KV cache: a token's bytes on each GPU, the tokens it holds, and the sequences of the
+    # longest length (sequence_tokens) those make
     kv_token_bytes: int = 0
     kv_tokens: int = 0
     sequences: int = 0
     sequence_tokens: int = 0
-    sync_bytes: int = 0
-    lines: list = field(default_factory=list)
+    sync_bytes: int = 0  # from trainer rank 0 to the engine at every step
+    lines: list = field(default_factory=list)  # as --plan prints them
     refusal: str = ""  # where it cannot fit, what to change; empty where it fits
 
 

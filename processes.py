@@ -265,9 +265,10 @@ def check_devices(cfg: Config):
         fits = gpus - engine
         where = f"the engine's {engine} after the trainers' (--rollout.placement separate" + \
             (f", --rollout.tensor_parallel {tp})" if tp > 1 else ")") if engine else "none for an engine"
+        fix = f"use --nproc_per_node={fits}" if fits > 0 else "lower --rollout.tensor_parallel" if tp > 1 else \
+            "use --rollout.placement colocated (one GPU)"
         raise FlagError(f"torchrun --nproc_per_node={local} with {where} needs {local + engine} GPUs and this node "
-                        f"has {gpus}: " + (f"use --nproc_per_node={fits}" if fits > 0 else
-                                           "lower --rollout.tensor_parallel"))
+                        f"has {gpus}: {fix}")
 
 
 def engine_gpus(tensor_parallel: int) -> str:

@@ -132,6 +132,7 @@ def test_colocated_on_one_gpu_in_one_process_passes_the_checks(node):
     (4, 4, [], "needs 5 GPUs and this node has 4: use --nproc_per_node=3"),
     (8, 7, ["--rollout.tensor_parallel=2"], "needs 9 GPUs and this node has 8: use --nproc_per_node=6"),
     (2, 2, ["--rollout.tensor_parallel=2"], "needs 4 GPUs and this node has 2: lower --rollout.tensor_parallel"),
+    (1, 1, [], "needs 2 GPUs and this node has 1: use --rollout.placement colocated"),
 ])
 def test_separate_needs_the_engines_gpus_after_the_trainers(node, nothing_loads, gpus, ranks, flags, fix):
     """The README's --nproc_per_node=4 on a node of 4 GPUs (as Slurm lists them): refused naming
