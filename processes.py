@@ -267,8 +267,8 @@ def check_devices(cfg: Config):
             (f", --rollout.tensor_parallel {tp})" if tp > 1 else ")") if engine else "none for an engine"
         fix = f"use --nproc_per_node={fits}" if fits > 0 else "lower --rollout.tensor_parallel" if tp > 1 else \
             "use --rollout.placement colocated (one GPU)"
-        raise FlagError(f"torchrun --nproc_per_node={local} with {where} needs {local + engine} GPUs and this node "
-                        f"has {gpus}: {fix}")
+        who = f"torchrun --nproc_per_node={local}" if "LOCAL_WORLD_SIZE" in os.environ else "one trainer process"
+        raise FlagError(f"{who} with {where} needs {local + engine} GPUs and this node has {gpus}: {fix}")
 
 
 def engine_gpus(tensor_parallel: int) -> str:
