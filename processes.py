@@ -256,10 +256,12 @@ def check_devices(cfg: Config):
     if cfg.rollout.placement == "colocated" and own:
         why = (f"torchrun's {world} ranks" if world > 1 else "--train.off_policy_steps 1" if cfg.train.off_policy_steps
                else f"--rollout.tensor_parallel {tp}" if tp > 1 else "--rollout.engine_process own")
+        fix = (f"use --rollout.placement separate (the engine on a GPU of its own, torchrun --nproc_per_node="
+               f"{gpus - tp})" if gpus > tp else "on this node's one GPU run one process (python run.py) that does "
+               "not generate ahead, or use --rollout.placement separate on a node with more GPUs")
         raise FlagError(f"--rollout.placement colocated with {why} puts the engine in a process of its own on "
-                        "trainer rank 0's GPU, where NCCL cannot reach it from the trainer (two processes, one GPU): "
-                        f"use --rollout.placement separate (the engine on a GPU of its own, torchrun "
-                        f"--nproc_per_node={max(1, gpus - tp)})")
+                        f"trainer rank 0's GPU, where NCCL cannot reach it from the trainer (two processes, one GPU): "
+                        f"{fix}")
     engine = tp if cfg.rollout.placement == "separate" else 0
     if local + engine > gpus:
         fits = gpus - engine

@@ -124,6 +124,8 @@ def test_colocated_beside_an_engine_process_on_one_gpu_is_refused_naming_separat
 
 def test_colocated_on_one_gpu_in_one_process_passes_the_checks(node):
     node(gpus=1, ranks=1)
+    with pytest.raises(FlagError, match="on this node's one GPU run one process .* or use --rollout.placement separate"):
+        processes.check_devices(run.parse_config(["--train.off_policy_steps=1"]))
     processes.check_devices(run.parse_config([]))
     assert processes.engine_in_own_process(run.parse_config([]), 1, cuda=True) is False
 
