@@ -342,8 +342,9 @@ def probe_logprobs(policy, tokenizer, d: Dist):
 
 
 def sync_engine(cfg, engine, policy, tokenizer, d: Dist, version: int) -> dict:
-    """Load the policy's weights (the version-th) into the engine and prove it: the engine's
-    log-probs of a fixed probe must match the trainer's within --rollout.sync_tol. Also times
+    """Load the policy's weights (the version-th) into the engine and prove it: the digests of
+    what the engine loaded must equal the trainer's (group path), and the engine's log-probs of a
+    fixed probe must match the trainer's within --rollout.sync_tol. Every rank calls it. Also times
     the waits: the trainer's for a batch the engine generates ahead, and the engine's, idle
     since its last generation."""
     t0 = time.perf_counter()
