@@ -18,8 +18,8 @@ the engine puts this directory on PYTHONPATH, processes.use_plugins):
   one `collective_rpc` after an update (`sdpo_weight_proof`), and a new trainer's session
   (`sdpo_begin_session`: the tied-weight aliases, a half-done update of a trainer that died closed).
 
-A digest (`digest`) is [sum, sum of squares] of the tensor's bytes read as 64-bit integer words,
-modulo 2**64: exact whatever the order of the sum, the device or the thread count, so the trainer's
+A digest (`digest`) is the sum of the tensor's bytes read as 64-bit integer words, modulo 2**64,
+and its size: exact whatever the order of the sum, the device or the thread count, so the trainer's
 and the engine's are compared with ==, in any dtype (a float64 sum differs in its last bits when
 summed in another order). Docs: docs/sync.md.
 """
@@ -42,23 +42,20 @@ from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine, NCCLWeightTransferEngine
 
 ALIGN = 64  # bytes: every tensor in a gloo bucket starts at a multiple, so it can be viewed in any dtype
-DIGEST_CHUNK = 1 << 24  # words digested at a time: bounds the squares' buffer (128 MB)
 
 
 def digest(tensor: torch.Tensor) -> list[int]:
-    """[sum, sum of squares] of the tensor's bytes read as 64-bit integer words, modulo 2**64
-    (integer arithmetic wraps alike on every device: exact in any order; a few passes over memory)."""
+    """[sum of the tensor's bytes read as 64-bit integer words modulo 2**64, its bytes]: integer
+    sums wrap alike on every device, so the sum is exact in any order; one read of the tensor. (A
+    stale, missing or corrupted tensor changes the sum unless the change happens to add up to a
+    multiple of 2**64; a float sum would hide small changes in its rounding.)"""
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    if data.numel() % 8:
-        data = torch.cat([data, data.new_zeros(8 - data.numel() % 8)])
+    nbytes = data.numel()
+    if nbytes % 8:
+        data = torch.cat([data, data.new_zeros(8 - nbytes % 8)])
     elif data.data_ptr() % 8:  # a view at an odd offset into a packed buffer
         data = data.clone()
-    words, total, squares, square = data.view(torch.int64), 0, 0, None
-    for chunk in words.split(DIGEST_CHUNK):
-        total += int(chunk.sum())
-        square = torch.mul(chunk, chunk, out=square if square is not None and len(square) == len(chunk) else None)
-        squares += int(square.sum())
-    return [signed64(total), signed64(squares)]
+    return [signed64(int(data.view(torch.int64).sum())), nbytes]
 
 
 def signed64(x: int) -> int:
@@ -261,18 +258,28 @@ class GlooReceiver(WeightTransferEngine):
         self.receive_weights(self.parse_update_info(update_info))  # no accelerator to synchronize on CPU
 
     def receive_weights(self, update_info):
+        """Each bucket is received by a thread while the one before it loads (the trainer then
+        gathers the next tensors meanwhile): two buckets at most in this process."""
         if self.group is None:
             raise RuntimeError("sdpo_gloo weight transfer not initialized: call init_weight_transfer_engine first")
         entries = list(zip(update_info.names, update_info.dtype_names, update_info.shapes))
         sizes = [nbytes_of(dtype, shape) for _, dtype, shape in entries]
-        for bucket in bucket_plan(sizes, self.bucket_bytes):
+        buckets = bucket_plan(sizes, self.bucket_bytes)
+
+        def receive(bucket):
             last, offset = bucket[-1]
             buf = torch.empty(offset + sizes[last], dtype=torch.uint8, device=self.device)
             self.group.broadcast(buf, 0).wait()
-            # views into the bucket: they live until vLLM has loaded their layer
-            self.model.load_weights([
-                (entries[i][0], buf[at:at + sizes[i]].view(getattr(torch, entries[i][1])).view(entries[i][2]))
-                for i, at in bucket])
+            return buf
+        with ThreadPoolExecutor(1) as receiver:
+            arriving = receiver.submit(receive, buckets[0]) if buckets else None
+            for k, bucket in enumerate(buckets):
+                buf = arriving.result()
+                arriving = receiver.submit(receive, buckets[k + 1]) if k + 1 < len(buckets) else None
+                # views into the bucket: they live until vLLM has loaded their layer
+                self.model.load_weights([
+                    (entries[i][0], buf[at:at + sizes[i]].view(getattr(torch, entries[i][1])).view(entries[i][2]))
+                    for i, at in bucket])
 
     def shutdown(self):
         close_group(self)
