@@ -153,7 +153,8 @@ class Engine:
             engine_args["limit_mm_per_prompt"] = {"image": MAX_IMAGES_PER_PROMPT, "video": 0}
         use_plugins(env)  # the engine's processes load vllm_plugins/: the proven weight transfer
         sync.transfer_module()  # registered here too: an engine in this process loads vLLM's plugins once
-        transfer = {"backend": sync.WORKER_BACKEND[sync.transfer_backend(placement, False, torch.cuda.is_available())]}
+        transfer = {"backend": sync.WORKER_BACKEND[sync.transfer_backend(placement, False, torch.cuda.is_available(),
+                                                                         in_process=not own_process)]}
         t0 = time.perf_counter()
         before = descendants() if own_process else set()
         with patched_env(env, TORCHRUN_VARS if own_process else ()):

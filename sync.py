@@ -102,16 +102,20 @@ def transfer_module():
     return sdpo_transfer
 
 
-def transfer_backend(placement: str, served: bool, cuda: bool) -> str:
+def transfer_backend(placement: str, served: bool, cuda: bool, in_process: bool = False) -> str:
     """The trainer side's backend, the same on every rank (docs/sync.md, How the weights travel):
-    vLLM's `nccl` to an engine on a GPU of its own (separate, or served), vLLM's `ipc` to an engine
-    on a trainer's GPU (colocated), ours `sdpo_gloo` on CPU."""
+    ours `sdpo_local` to an engine in this process (the tensors themselves), vLLM's `nccl` to an
+    engine on a GPU of its own (separate, or served), vLLM's `ipc` to an engine process on a
+    trainer's GPU (colocated), ours `sdpo_gloo` to an engine process on CPU."""
+    if in_process:
+        return "sdpo_local"
     if not cuda:
         return "sdpo_gloo"
     return "nccl" if placement == "separate" or served else "ipc"
 
 
-WORKER_BACKEND = {"sdpo_gloo": "sdpo_gloo", "nccl": "sdpo_nccl", "ipc": "sdpo_ipc"}  # the engine's, with the proof
+# the engine's backend for each trainer side's: the same protocol, with the proof
+WORKER_BACKEND = {"sdpo_gloo": "sdpo_gloo", "nccl": "sdpo_nccl", "ipc": "sdpo_ipc", "sdpo_local": "sdpo_local"}
 
 
 def trainer_init_info(backend: str, rank: int, bucket_bytes: int, timeout_s: float, host: str = "",
@@ -120,6 +124,8 @@ def trainer_init_info(backend: str, rank: int, bucket_bytes: int, timeout_s: flo
     of world_size = 1 + the engine's workers; the other ranks only gather)."""
     if backend == "sdpo_gloo":
         return transfer_module().GlooTrainerInitInfo(host, port, world_size, bucket_bytes, timeout_s, rank=rank)
+    if backend == "sdpo_local":
+        return transfer_module().LocalTrainerInitInfo(bucket_bytes, rank=rank)
     if backend == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
         return NCCLTrainerInitInfo(host, port, world_size, packed=True, packed_buffer_size_bytes=bucket_bytes,
@@ -351,7 +357,8 @@ def sync_engine(cfg, engine, policy, tokenizer, d: Dist, version: int) -> dict:
     dtype = engine_dtype(cfg, d.device)
     streamed = cfg.rollout.sync == "group"
     if streamed:
-        backend = transfer_backend(cfg.rollout.placement, bool(cfg.rollout.engine), d.device.type == "cuda")
+        backend = transfer_backend(cfg.rollout.placement, bool(cfg.rollout.engine), d.device.type == "cuda",
+                                   in_process=getattr(engine, "own_process", True) is False)  # only with one rank
         weights = PolicySource(policy, d, getattr(torch, dtype), backend, cfg.rollout.sync_bucket_mb << 20)
     else:
         weights = full_state_dict(policy, d.world)

@@ -344,6 +344,29 @@ class TestInProcess:
         restore.append(engine)
         check_weight_sync(engine, hf, probe, prompts + [long_prompt], tokenizer)
 
+    def test_the_loops_sync_hands_the_tensors_over_through_vllms_api(self, engine, eos_dir, tokenizer, restore):
+        """The loop's sync (group path) to an engine in this process: vLLM's start/update/finish
+        with the policy's tensors themselves (sdpo_local, a bucket at a time), proven by the
+        digests of every checkpoint key and by the probe."""
+        import run
+        import sync
+        from distributed import Dist
+        from policy import load_policy
+        restore.append(engine)
+        d, cfg = Dist(0, 1, torch.device("cpu")), run.Config()
+        cfg.rollout.sync_bucket_mb = 1  # several update_weights calls
+        policy = load_policy(eos_dir, cfg, 1, d.device)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        metrics = sync.sync_engine(cfg, engine, policy, tokenizer, d, version=1)
+        assert metrics["sync/probe_max_abs_diff"] < TOL and metrics["sync/reloads"] == 0
+        assert type(engine._transfer).__name__ == "LocalTrainerWeightTransferEngine"
+        proof = engine.client().rpc("sdpo_weight_proof")[0]
+        assert set(proof["loaded"]) == sync.checkpoint_keys(eos_dir) and proof["waiting"] == []
+        assert max_diff(engine.score([probe_ids(tokenizer)])[0], sync.probe_logprobs(policy, tokenizer, d)[2]) < TOL
+
 
 # -----------------------------------------------------------------------------
 # engine core in its own process (what torchrun and the separate placement use)

@@ -324,6 +324,93 @@ class Job:
         return self.value
 
 
+# ----------------------------------------------------------------------------------------
+# sdpo_local: an engine in the trainer's own process takes the tensors themselves
+
+
+@dataclass
+class LocalWeightTransferInitInfo(WeightTransferInitInfo):
+    """Nothing to rendezvous: the worker is in the trainer's process."""
+
+
+@dataclass
+class LocalWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """A chunk of an update: the tensors themselves (an in-process collective_rpc passes them as they are)."""
+    names: list[str]
+    tensors: list
+
+
+class LocalReceiver(WeightTransferEngine):
+    """Worker side of sdpo_local: loads the tensors it is handed with layer-wise reload."""
+    init_info_cls = LocalWeightTransferInitInfo
+    update_info_cls = LocalWeightTransferUpdateInfo
+
+    def init_transfer_engine(self, init_info):
+        pass
+
+    def start_weight_update(self):
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self):
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info):
+        self.receive_weights(self.parse_update_info(update_info))  # the trainer's tensors: nothing in flight
+
+    def receive_weights(self, update_info):
+        self.model.load_weights(list(zip(update_info.names, update_info.tensors)))
+
+    def shutdown(self):
+        pass
+
+
+class LocalWeightTransferEngine(ProvenLoads, LocalReceiver):
+    """sdpo_local's worker engine, proven."""
+
+
+@dataclass
+class LocalTrainerInitInfo(TrainerInitInfo):
+    """bucket_bytes: the most bytes of tensors handed over in one update_weights."""
+    backend: ClassVar[str] = "sdpo_local"
+    bucket_bytes: int = 512 << 20
+
+
+class LocalTrainerWeightTransferEngine(TrainerWeightTransferEngine):
+    """Trainer side of sdpo_local (one process: the trainer and its engine): the source's tensors,
+    a bucket's worth at a time, handed to the engine's update_weights by reference."""
+    init_info_cls = LocalTrainerInitInfo
+    info = None
+
+    @classmethod
+    def trainer_init(cls, init_info, *, client, source=None):
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        engine.info = init_info
+        if engine.is_sender:
+            client.init_weight_transfer_engine({})
+        return engine
+
+    def send_weights(self):
+        meta = self.source.metadata()
+        if not self.is_sender:
+            for _ in self.source:
+                pass
+            return
+        self.client.start_weight_update()
+        names, tensors, held = [], [], 0
+        for name, tensor in NCCLTrainerWeightTransferEngine._checked_iter(self.source, meta):
+            names.append(name)
+            tensors.append(tensor)
+            held += tensor.numel() * tensor.element_size()
+            if held >= self.info.bucket_bytes:
+                self.client.update_weights({"names": names, "tensors": tensors})
+                names, tensors, held = [], [], 0
+        if names:
+            self.client.update_weights({"names": names, "tensors": tensors})
+        self.client.finish_weight_update()
+
+
 @dataclass
 class GlooTrainerInitInfo(TrainerInitInfo):
     """Rank 0 (the sender) opens the group at master_address:master_port; world_size: 1 + the
@@ -413,12 +500,14 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
 
 
 def register():
-    """vLLM general plugin: the worker backends sdpo_gloo, sdpo_nccl and sdpo_ipc, and sdpo_gloo's
-    trainer side (in every process vLLM starts, and in the trainer's; vLLM may run a plugin twice)."""
+    """vLLM general plugin: the worker backends sdpo_gloo, sdpo_nccl, sdpo_ipc and sdpo_local, and
+    the trainer sides of sdpo_gloo and sdpo_local (in every process vLLM starts, and in the
+    trainer's; vLLM may run a plugin twice)."""
     workers = {"sdpo_gloo": "GlooWeightTransferEngine", "sdpo_nccl": "ProvenNCCLWeightTransferEngine",
-               "sdpo_ipc": "ProvenIPCWeightTransferEngine"}
+               "sdpo_ipc": "ProvenIPCWeightTransferEngine", "sdpo_local": "LocalWeightTransferEngine"}
     for name, cls in workers.items():
         if name not in WeightTransferEngineFactory._registry:
             WeightTransferEngineFactory.register_engine(name, __name__, cls)
-    if "sdpo_gloo" not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine("sdpo_gloo", __name__, "GlooTrainerWeightTransferEngine")
+    for name, cls in {"sdpo_gloo": "GlooTrainerWeightTransferEngine", "sdpo_local": "LocalTrainerWeightTransferEngine"}.items():
+        if name not in WeightTransferTrainerFactory._registry:
+            WeightTransferTrainerFactory.register_engine(name, __name__, cls)
