@@ -96,7 +96,8 @@ def check_out_dir(cfg: Config, resuming: bool, model_dir: str = "", objective=No
     if not model_dir:
         return
     model = 4 * parameter_count(model_dir)  # float32, as the trainer holds and saves it
-    copies = 3 + objective.checkpoint_copies(cfg)  # + AdamW's two moments, the objective's models (a teacher)
+    # + AdamW's two moments, the objective's copies of the policy (a teacher, a reference)
+    copies = 3 + sum(kind == "copy" for kind in objective.held(cfg).values())
     saves = cfg.train.steps // cfg.train.save_every if cfg.train.save_every else 0
     need, total = model + min(saves, 1) * copies * model, model + saves * copies * model
     free = shutil.disk_usage(out).free

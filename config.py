@@ -73,9 +73,15 @@ class RolloutConfig:
     # A chat model's direct answer (no long reasoning) fits in 256, TRL's default (a truncated
     # answer scores 0: docs/results.md, the real pretrained model)
     max_tokens: int = 256
-    gpu_memory_utilization: float = 0.3  # GPU memory fraction (on CPU only without kv_cache_tokens)
+    # The engine's share of each of its GPUs' memory (weights, activations, KV cache; on CPU of the
+    # machine's, and only without kv_cache_tokens). 0: by placement, 0.9 separate (its GPUs alone;
+    # the rest holds the weight sync's buffers), 0.3 colocated (beside the trainer)
+    gpu_memory_utilization: float = 0.0
     kv_cache_tokens: int = 0  # on CPU: tokens the engine's KV cache holds; 0: sized from the run's batches
     max_model_len: int = 2048
+    # GPUs the engine spreads over (vLLM's tensor parallelism; --rollout.placement separate: the
+    # N GPUs after the trainers'). 1 on a CPU
+    tensor_parallel: int = 1
     sync_tol: float = 0.0  # max |engine - trainer| probe log-prob (nats) after a sync; 0: 1e-3 for a
     # float32 engine, 1.0 for bfloat16 (docs/sync.md)
     is_correction: bool = True  # truncated IS weights for the engine-vs-trainer mismatch (and the staleness
@@ -98,6 +104,10 @@ class RolloutConfig:
     # 0: every core in the synchronous loop (the trainer waits meanwhile), half of them with
     # --train.off_policy_steps 1 (the trainer works beside it). Ignored by a GPU engine.
     cpu_threads: int = 0
+
+    def memory_share(self) -> float:
+        """--rollout.gpu_memory_utilization, or its value by placement."""
+        return self.gpu_memory_utilization or (0.9 if self.placement == "separate" else 0.3)
 
 
 @dataclass
@@ -171,6 +181,9 @@ class TrainConfig:
     save_every: int = 0  # torch.distributed.checkpoint every N steps; 0: only the final HF model
     resume: str = ""  # a checkpoint directory written by save_every, or a run's out_dir (its latest one)
     max_nonfinite_steps: int = 3  # consecutive optimizer steps with a NaN/inf loss before stopping
+    # Under torchrun: a collective that waits this long raises (a dead or hung rank). The other
+    # ranks wait for rank 0's own work (generation, evaluation) without a limit (distributed.py)
+    collective_timeout_min: float = 30.0
 
 
 @dataclass
@@ -209,6 +222,10 @@ class Config:
     # Test-time self-distillation (paper section 5): train on each of this many held-out prompts
     # that the initial model fails, alone, and compare discovery with best-of-k; 0: off
     ttt_prompts: int = 0
+    # Print what the run would hold in memory on each GPU (or, on a CPU, each process) from the
+    # model's config.json, the flags and this node's devices, and exit: 2 where it cannot fit,
+    # naming the flag to change (plan.py; docs/scale.md)
+    plan: bool = False
     if TYPE_CHECKING:  # the sections the tables hand in: the run's Config is flags.Config
         data: DataConfig  # with the tasks' flags (tasks.TaskConfig)
         algo: objectives.AlgoConfig
@@ -264,9 +281,10 @@ def debugging(argv=None) -> bool:
 AT_LEAST = {"train.steps": 0, "train.prompts_per_step": 1, "train.mini_batches": 1, "train.micro_batch": 1,
             "rollout.n": 1, "rollout.max_tokens": 1, "rollout.eval_k": 1, "rollout.cpu_threads": 0,
             "train.cpu_threads": 0, "data.train_rows": 1, "data.eval_rows": 1,
-            "train.warm_start_context_steps": 0, "train.warm_start_check_every": 1, "log.samples_per_step": 0}
-POSITIVE = ("optim.lr", "rollout.temperature", "rollout.eval_temperature")
-RATES = ("train.warm_start_target",)
+            "train.warm_start_context_steps": 0, "train.warm_start_check_every": 1, "log.samples_per_step": 0,
+            "rollout.tensor_parallel": 1}
+POSITIVE = ("optim.lr", "rollout.temperature", "rollout.eval_temperature", "train.collective_timeout_min")
+RATES = ("train.warm_start_target", "rollout.gpu_memory_utilization")
 
 
 def check_config(cfg: Config):

@@ -1,12 +1,26 @@
 """The distributed setup: where a process sits (Dist), torchrun's process group, rank 0's calls, FSDP2 helpers.
 
-Under torchrun the ranks train one policy sharded with FSDP2 (gloo on CPU, NCCL on GPUs); rank 0
-alone holds the engine, and rank0_call hands what it computes, or its error, to every rank.
+Under torchrun the ranks train one policy sharded with FSDP2; rank 0 alone holds the engine, and
+rank0_call hands what it computes, or its error, to every rank.
+
+The collectives' rule: a collective goes to the backend of its tensor's device. On a CPU the
+group is gloo; on GPUs it is "cpu:gloo,cuda:nccl" (torch's backend per device type), so a
+collective's tensor is either a host value (a count, a statistic, a pickled object: gloo) or on
+the rank's GPU (the model's tensors: NCCL). NCCL alone has no CPU backend: a group of NCCL only
+fails at the first host value.
+
+Waiting for rank 0: while rank 0 alone works (generates, evaluates, writes a checkpoint) the
+other ranks wait in rank0_call at a barrier without a time limit, not in a collective under the
+group's timeout (--train.collective_timeout_min), which a long evaluation would exceed: NCCL's
+watchdog aborts a job whose collective outlasts it, gloo raises. A rank that dies ends the job
+all the same: torchrun stops every rank when one exits.
 """
+import contextlib
 import gc
 import os
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,30 +36,51 @@ class Dist:
     device: torch.device
 
 
-def setup_distributed() -> Dist:
-    """Under torchrun: gloo on CPU, NCCL on GPUs."""
+# The process group's backends by the device a rank trains on (the collectives' rule above)
+BACKENDS = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}
+# How long the other ranks wait for rank 0's work in rank0_call: no limit in practice
+RANK0_WAIT = timedelta(days=7)
+
+
+def setup_distributed(timeout_min: float = 30.0) -> Dist:
+    """Under torchrun: the process group of BACKENDS[device type], whose collectives raise after
+    timeout_min minutes (a dead or hung peer surfaces as an error, not an endless wait)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        from datetime import timedelta
-        # A dead peer must surface as an error, not an endless wait.
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
+        dist.init_process_group(BACKENDS[device.type], timeout=timedelta(minutes=timeout_min))
     return Dist(dist.get_rank() if world > 1 else 0, world, device)
 
 
-def end_distributed(d: Dist):
-    """The end of a torchrun process: every rank here, then the process group destroyed.
+@contextlib.contextmanager
+def process_group(timeout_min: float = 30.0):
+    """setup_distributed's Dist for a with block, at whose end the group is destroyed
+    (end_distributed), after an error too."""
+    d = setup_distributed(timeout_min)
+    try:
+        yield d
+    except BaseException:
+        end_distributed(d, finished=False)
+        raise
+    end_distributed(d)
+
+
+def end_distributed(d: Dist, finished: bool = True):
+    """The end of a torchrun process: every rank here, then the process group destroyed; after
+    an error (finished False) destroyed at once, since the other ranks may never arrive (NCCL
+    warns of, and may hang on, a group left to the interpreter's exit).
 
     Called once the models are out of scope: gc first, so that FSDP2's states and the
     collectives' work handles caught in reference cycles are freed while the process group
     is alive, not during interpreter teardown, where gloo's threads can abort the process.
     """
-    if d.world > 1:
+    if d.world > 1 and dist.is_initialized():
         gc.collect()
-        dist.barrier()
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -76,6 +111,7 @@ def rank0_call(d: Dist, fn, share: bool = True):
     if world > 1:
         kind = next((c for c in type(error).__mro__ if "kept_across_ranks" in vars(c)), RuntimeError)
         box = [(result if share else None, None if error is None else f"{type(error).__name__}: {error}", kind)]
+        dist.barrier(timeout=RANK0_WAIT)  # the other ranks wait for rank 0 here, not in the broadcast
         dist.broadcast_object_list(box, src=0)
         if rank != 0:
             result, message, kind = box[0]

@@ -42,7 +42,7 @@ def parse_config(argv=None) -> Config:
     comes after the recipe is chosen, so it shows the values this run uses."""
     argv = sys.argv[1:] if argv is None else list(argv)
     argv = [re.sub(r"=(true|false)$", lambda m: "=" + m.group(1).capitalize(), a, flags=re.I) for a in argv]
-    argv = ["--debug=True" if a == "--debug" else a for a in argv]
+    argv = [a + "=True" if a in ("--debug", "--plan") else a for a in argv]
     # which model, task, objective and recipe: they choose the recipe
     asked = parse_flags(Config(), [a for a in argv if a not in ("-h", "--help")])
     name = recipe_name(asked)

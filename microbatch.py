@@ -286,7 +286,10 @@ class Objective:
     # after the update's optimizer steps (stepped: whether any was taken): the EMA teacher's move,
     # the reference's refresh -> metrics
     after_update: Callable = lambda models, stepped, steps_done: {}
-    checkpoint_copies: Callable = lambda cfg: 0  # model-sized copies its models add to a checkpoint
+    # the extra models build_models makes for cfg, known before any loads: {name: "copy" (the
+    # policy's weights again) or "discriminator" (a network of its own, with AdamW)}: what
+    # plan.py counts in memory and check_out_dir on disk
+    held: Callable = lambda cfg: {}
 
 
 def without_truncated(objective: Objective) -> Objective:

@@ -1,19 +1,25 @@
-"""The engine's processes: starting them quiet, placing them on CPU cores, ending them with the run.
+"""The engine's processes: where they go, starting them quiet, placing them on CPU cores, ending them with the run.
 
-vLLM's engine core and workers (rollout.Engine) start with torchrun's variables hidden and the
-plugins importable; the trainer's threads keep beside their cores (cpu_split, share_cores,
-pin_threads); a reaper ends them when the trainer dies without closing the engine.
+Before anything loads, check_devices holds the flags against the node's devices: a placement
+that cannot run is refused naming the flag to change, and a run that asked for GPUs and finds
+none stops with what the GPU build needs. vLLM's engine core and workers (rollout.Engine) start
+with torchrun's variables hidden, on their GPUs (engine_gpus), with the plugins importable; the
+trainer's threads keep beside their cores (cpu_split, share_cores, pin_threads); a reaper ends
+them when the trainer dies without closing the engine.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import re
 import subprocess
 import sys
 from typing import TYPE_CHECKING
 
 import torch
+
+from errors import FlagError, UserError
 
 if TYPE_CHECKING:
     from config import Config
@@ -181,14 +187,112 @@ def share_cores(cfg: Config, engine, models):
             module.register_forward_pre_hook(switch)
 
 
-def engine_env(placement: str, own_process: bool, cpu_cores: list[int] | None, world_size: int) -> tuple:
+# ----------------------------------------------------------------------------------------
+# The node's devices against the flags (before anything loads)
+
+# The NVIDIA driver each CUDA major version's wheels need (NVIDIA's CUDA compatibility table:
+# "minor version compatibility" within a major release)
+CUDA_DRIVERS = {12: 525, 13: 580}
+DRIVER_FILE = "/proc/driver/nvidia/version"
+
+
+def nvidia_driver() -> str:
+    """The loaded NVIDIA kernel driver's version ("580.65.06"), or "" where none is loaded."""
+    with contextlib.suppress(OSError):
+        with open(DRIVER_FILE) as f:
+            found = re.search(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)", f.read())
+        return found.group(1) if found else ""
+    return ""
+
+
+def gpu_requirement() -> str:
+    """What this torch build needs to see a GPU, and what the node has, for a message."""
+    cuda = torch.version.cuda
+    if not cuda:
+        return f"torch {torch.__version__} is a CPU build: install the GPU pins (README, GPU)"
+    need = CUDA_DRIVERS.get(int(cuda.split(".")[0]))
+    driver = nvidia_driver()
+    return (f"torch {torch.__version__} is built for CUDA {cuda}"
+            + (f", which needs an NVIDIA driver >= {need}" if need else "")
+            + f"; this node's driver: {driver or 'none loaded (' + DRIVER_FILE + ')'} (README, GPU)")
+
+
+def gpus_asked(cfg: Config) -> list[str]:
+    """What in the flags, the environment or the install asks for GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return ([f"--rollout.placement {cfg.rollout.placement}"] * (cfg.rollout.placement == "separate")
+            + [f"--rollout.tensor_parallel {cfg.rollout.tensor_parallel}"] * (cfg.rollout.tensor_parallel > 1)
+            + [f"CUDA_VISIBLE_DEVICES={visible}"] * (visible not in ("", "-1"))
+            + [f"the GPU build of torch ({torch.__version__})"] * bool(torch.version.cuda))
+
+
+def engine_in_own_process(cfg: Config, world: int, cuda: bool) -> bool:
+    """Where rollout.Engine runs: in this process only for a single colocated rank on a GPU
+    that does not generate ahead (on a CPU always in its own: docs/results.md). A choice that
+    cannot work is a FlagError."""
+    ahead, choice = cfg.train.off_policy_steps > 0, cfg.rollout.engine_process
+    own = choice == "own" or (choice == "auto" and (ahead or world > 1 or cfg.rollout.placement == "separate"
+                                                    or cfg.rollout.tensor_parallel > 1 or not cuda))
+    if not own and ahead:
+        raise FlagError("--train.off_policy_steps 1 needs the engine in its own process "
+                        "(--rollout.engine_process own or auto)")
+    if not own and (world > 1 or cfg.rollout.placement == "separate"):
+        # in-process under torchrun, vLLM joins the trainers' process group and waits for rank 1
+        raise FlagError("--rollout.engine_process inprocess serves one colocated process only "
+                        f"({'torchrun starts several' if world > 1 else '--rollout.placement separate'}): "
+                        "use --rollout.engine_process auto")
+    return own
+
+
+def check_devices(cfg: Config):
+    """Before anything loads: the node's GPUs can hold the placement the flags ask for, else a
+    FlagError naming the flag to change; flags, environment or install that ask for GPUs on a
+    node where torch sees none stop with a UserError saying what the GPU build needs (a CPU run
+    instead would be silent). Every rank checks its own node."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    own = engine_in_own_process(cfg, world, cuda)
+    if not cuda:
+        asked = gpus_asked(cfg)
+        if asked:
+            raise UserError(f"{', '.join(asked)} asked for GPUs, but torch sees none: {gpu_requirement()}")
+        return
+    gpus, tp = torch.cuda.device_count(), cfg.rollout.tensor_parallel
+    if cfg.rollout.placement == "colocated" and own:
+        why = (f"torchrun's {world} ranks" if world > 1 else "--train.off_policy_steps 1" if cfg.train.off_policy_steps
+               else f"--rollout.tensor_parallel {tp}" if tp > 1 else "--rollout.engine_process own")
+        fix = (f"use --rollout.placement separate (the engine on a GPU of its own, torchrun --nproc_per_node="
+               f"{gpus - tp})" if gpus > tp else "on this node's one GPU run one process (python run.py) that does "
+               "not generate ahead, or use --rollout.placement separate on a node with more GPUs")
+        raise FlagError(f"--rollout.placement colocated with {why} puts the engine in a process of its own on "
+                        f"trainer rank 0's GPU, where NCCL cannot reach it from the trainer (two processes, one GPU): "
+                        f"{fix}")
+    engine = tp if cfg.rollout.placement == "separate" else 0
+    if local + engine > gpus:
+        fits = gpus - engine
+        where = f"the engine's {engine} after the trainers' (--rollout.placement separate" + \
+            (f", --rollout.tensor_parallel {tp})" if tp > 1 else ")") if engine else "none for an engine"
+        fix = f"use --nproc_per_node={fits}" if fits > 0 else "lower --rollout.tensor_parallel" if tp > 1 else \
+            "use --rollout.placement colocated (one GPU)"
+        who = f"torchrun --nproc_per_node={local}" if "LOCAL_WORLD_SIZE" in os.environ else "one trainer process"
+        raise FlagError(f"{who} with {where} needs {local + engine} GPUs and this node has {gpus}: {fix}")
+
+
+def engine_gpus(tensor_parallel: int) -> str:
+    """CUDA_VISIBLE_DEVICES of a separate engine: the tensor_parallel GPUs after this node's
+    trainers' (trainer rank i on GPU i), in the node's own numbering when it is set (Slurm)."""
+    first = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return ",".join(ids[first:first + tensor_parallel])
+
+
+def engine_env(placement: str, own_process: bool, cpu_cores: list[int] | None, tensor_parallel: int = 1) -> tuple:
     """(the environment the engine starts in, the cores its processes keep to on CPU or None)."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if own_process else "0"}
     if placement == "separate" and torch.cuda.is_available():
-        # The engine takes the GPU after the trainers' (trainers on 0..N-1 of this node).
-        gpu = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
+        env["CUDA_VISIBLE_DEVICES"] = engine_gpus(tensor_parallel)  # checked by check_devices
     bound = None  # the cores the engine's processes keep to, on CPU
     if not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # the user's wins
         bound = cpu_cores or sorted(os.sched_getaffinity(0))

@@ -28,8 +28,8 @@ import sync
 from distributed import Dist, rank0_call
 from microbatch import Rollout
 from logger import status
-from processes import (TORCHRUN_VARS, alive, cpu_split, descendants, engine_env, patched_env, quiet_vllm_logging,
-                       reap_directory, supervise, use_plugins)
+from processes import (TORCHRUN_VARS, alive, cpu_split, descendants, engine_env, engine_in_own_process, patched_env,
+                       quiet_vllm_logging, reap_directory, supervise, use_plugins)
 
 if TYPE_CHECKING:
     from config import Config
@@ -124,6 +124,8 @@ class Engine:
     cores the worker binds its OpenMP threads to (None: all of this process's; vLLM's own choice
     is one core of two). sync_addr: "host:port" at which the workers reach this process for a
     weight sync through a process group (sync.py); empty: this machine, a free port.
+    tensor_parallel: the GPUs one engine spreads over (vLLM's tensor parallelism; separate: the
+    ones after the trainers', processes.engine_gpus).
 
     Each sample is stamped with the version of the weights that generated it. `in_background`
     runs a job that uses the engine (the next batch's generation) while the caller trains; any
@@ -133,7 +135,7 @@ class Engine:
     def __init__(self, model_dir: str, placement: str = "colocated", dtype: str = "auto",
                  gpu_memory_utilization: float = 0.3, max_model_len: int = 2048, seed: int = 0,
                  own_process: bool | None = None, rpc_timeout_s: float = 600.0, kv_cache_tokens: int = 0,
-                 cpu_cores: list[int] | None = None, sync_addr: str = ""):
+                 cpu_cores: list[int] | None = None, sync_addr: str = "", tensor_parallel: int = 1):
         quiet_vllm_logging()
         from vllm import LLM
         if placement not in ("colocated", "separate"):
@@ -146,7 +148,7 @@ class Engine:
         if not own_process and world_size > 1:
             raise ValueError("an in-process engine under torchrun with several ranks hangs at start-up; "
                              "use own_process=True")
-        env, bound = engine_env(placement, own_process, cpu_cores, world_size)
+        env, bound = engine_env(placement, own_process, cpu_cores, tensor_parallel)
         self.model_dir, self.own_process, self.rpc_timeout_s = model_dir, own_process, rpc_timeout_s
         self.weights_version = 0  # the checkpoint's weights
         self._background = None  # the job started by in_background, until someone waits for it
@@ -168,7 +170,10 @@ class Engine:
             resource_tracker.ensure_running()
             self.llm = LLM(
                 model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=True,
+                gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel,
+                # CUDA graphs (and vLLM's compilation) on a GPU; on a CPU eager, where vLLM would
+                # otherwise compile the model with inductor at every start
+                enforce_eager=not torch.cuda.is_available(),
                 # Log-probs after temperature: the ones the sampler actually drew from, which
                 # the trainer reproduces by dividing its logits by the same temperature.
                 logprobs_mode="processed_logprobs", enable_prefix_caching=True,
@@ -439,11 +444,7 @@ def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
     engine sets up its own single-process distributed state."""
     # Generating ahead runs the engine beside the trainer's computation: in its own process,
     # not in a thread of the trainer's (the GIL, and on CPU the trainer's OpenMP threads).
-    ahead = cfg.train.off_policy_steps > 0
-    if ahead and cfg.rollout.engine_process == "inprocess":
-        raise data.FlagError("--train.off_policy_steps 1 needs the engine in its own process "
-                         "(--rollout.engine_process own or auto)")
-    own = {"auto": True if ahead else None, "inprocess": False, "own": True}[cfg.rollout.engine_process]
+    own = engine_in_own_process(cfg, d.world, d.device.type == "cuda")
     cores = None
     if d.device.type == "cpu":  # before the engine starts: an in-process one forbids changing threads after
         cores, beside, alone = cpu_split(cfg)
@@ -454,8 +455,9 @@ def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
     status(d, f"engine: starting vLLM on {model_dir} (tens of seconds on a CPU)")  # nothing else shows meanwhile
     return rank0_call(d, lambda: Engine(
         model_dir, placement=cfg.rollout.placement, dtype=sync.engine_dtype(cfg, d.device), seed=cfg.train.seed,
-        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, max_model_len=cfg.rollout.max_model_len,
+        gpu_memory_utilization=cfg.rollout.memory_share(), max_model_len=cfg.rollout.max_model_len,
         own_process=own, rpc_timeout_s=cfg.rollout.rpc_timeout_s, cpu_cores=cores, sync_addr=cfg.rollout.sync_addr,
+        tensor_parallel=cfg.rollout.tensor_parallel,
         kv_cache_tokens=kv_cache_tokens(cfg, model_dir, tokenizer, rows, d.device)), share=False)
 
 

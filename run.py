@@ -28,9 +28,10 @@ from flags import Config, debugging, describe, parse_config
 from data import batch_rows, read_rows, stream_seed
 from evaluate import baseline_evaluation, evaluate, evaluate_only, evaluate_start, evaluation_due, success_rate
 from logger import Logger, step_time
-from distributed import Dist, end_distributed, rank0_call, setup_distributed
+from distributed import Dist, end_distributed, process_group, rank0_call, setup_distributed
+from plan import report_plan
 from policy import Trainer, build_trainer, load_tokenizer, pad_token_id
-from processes import generation_waits, share_cores
+from processes import check_devices, generation_waits, share_cores
 from rollout import generate_and_score, start_engine
 from sync import sync_engine
 from update import prepare_update, take_steps, update_policy  # noqa: F401 (update_policy: the tests')
@@ -348,23 +349,25 @@ def ctrl_c_wins():
 
 def main(argv=None):
     cfg = parse_config(argv)
-    d = setup_distributed()
-    cfg.log.out_dir = rank0_call(d, lambda: run_dir(cfg))  # named once, on rank 0
-    if d.rank == 0:
-        print(describe(cfg), flush=True)
-        print(f"out_dir: {cfg.log.out_dir}", flush=True)
-    rank0_call(d, lambda: check_out_dir(cfg, resuming=bool(cfg.train.resume)))  # not after the warm start
-    if cfg.data.task not in tasks.TASKS and not cfg.model.path:  # a file's rows, before a warm start's minutes
-        rank0_call(d, lambda: load_data(cfg), share=False)
-    t0 = time.perf_counter()
-    model_dir = resolve_model(cfg, d)
-    cfg = with_teacher_data(cfg, d)
-    with ctrl_c_wins():
-        metrics = train(cfg, model_dir, d)
-    if d.rank == 0:
-        shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("eval/", "reward/"))}
-        print(f"done in {time.perf_counter() - t0:.0f}s: {shown} -> {cfg.log.out_dir}")
-    end_distributed(d)
+    check_devices(cfg)  # the placement against this node's GPUs, before anything loads
+    if cfg.plan:  # what each GPU (or process) would hold, from the model's config.json alone
+        return report_plan(cfg)
+    with process_group(cfg.train.collective_timeout_min) as d:  # destroyed at the end, also after an error
+        cfg.log.out_dir = rank0_call(d, lambda: run_dir(cfg))  # named once, on rank 0
+        if d.rank == 0:
+            print(describe(cfg), flush=True)
+            print(f"out_dir: {cfg.log.out_dir}", flush=True)
+        rank0_call(d, lambda: check_out_dir(cfg, resuming=bool(cfg.train.resume)))  # not after the warm start
+        if cfg.data.task not in tasks.TASKS and not cfg.model.path:  # a file's rows, before a warm start's minutes
+            rank0_call(d, lambda: load_data(cfg), share=False)
+        t0 = time.perf_counter()
+        model_dir = resolve_model(cfg, d)
+        cfg = with_teacher_data(cfg, d)
+        with ctrl_c_wins():
+            metrics = train(cfg, model_dir, d)
+        if d.rank == 0:
+            shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("eval/", "reward/"))}
+            print(f"done in {time.perf_counter() - t0:.0f}s: {shown} -> {cfg.log.out_dir}")
     return metrics
 
 

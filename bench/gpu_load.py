@@ -52,7 +52,7 @@ except ImportError:
 import policy  # noqa: E402
 from config import Config  # noqa: E402
 from gpu_update import add_model_args, model_config  # noqa: E402
-from distributed import full_tensor  # noqa: E402
+from distributed import BACKENDS, full_tensor  # noqa: E402
 
 GB = 1e9
 
@@ -166,7 +166,7 @@ def main():
         torch.cuda.set_device(device)
     if "RANK" not in os.environ:
         raise SystemExit("run under torchrun: torchrun --nproc_per_node 1 bench/gpu_load.py")
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group(BACKENDS[device.type])  # run.py's group: host values through gloo, GPU tensors NCCL
     if dist.get_world_size() != 1:
         raise SystemExit("one rank: at world 1 a rank holds the whole model, and the figures are 1 of 1 ranks'")
     shard = policy.shard  # shards only when world > 1: shard the one-rank mesh as each of N ranks would

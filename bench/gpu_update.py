@@ -67,6 +67,7 @@ try:  # run.py names tyro in one annotation; a machine without it can still run 
     import tyro  # noqa: F401
 except ImportError:
     sys.modules["tyro"] = types.SimpleNamespace(conf=types.SimpleNamespace(arg=lambda **kwargs: None))
+import distributed  # noqa: E402
 import microbatch  # noqa: E402
 import objectives  # noqa: E402
 import packing  # noqa: E402
@@ -473,7 +474,8 @@ def main():
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ and not dist.is_initialized() and (world > 1 or args.fsdp_at_world_1):
-        dist.init_process_group("nccl" if cuda else "gloo")  # run.setup_distributed does this for world > 1
+        # run.setup_distributed's group for world > 1: host values through gloo, GPU tensors through NCCL
+        dist.init_process_group(distributed.BACKENDS["cuda" if cuda else "cpu"])
     d = run.setup_distributed()
     if d.world == 1 and args.fsdp_at_world_1:
         if not dist.is_initialized():

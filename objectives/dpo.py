@@ -208,6 +208,11 @@ def build_reference(cfg, initial, model_dir: str, d) -> dict:
     return {} if cfg.dpo.reference_free else {"reference": Reference(initial(), cfg.dpo.ref_update_every)}
 
 
+def reference_held(cfg) -> dict:
+    """What build_reference makes, before it does (plan.py, check_out_dir)."""
+    return {} if cfg.dpo.reference_free else {"reference": "copy"}
+
+
 def refresh_reference(models: Models, stepped: bool, steps_done: int) -> dict:
     """The reference becomes the policy after every --dpo.ref_update_every-th step (SPIN)."""
     if "reference" not in models.extra:
@@ -219,5 +224,5 @@ OBJECTIVES = {
     "dpo": Objective(loss=dpo_loss, prepare=prepare_pairs, before_update=reference_logprobs,
                      counted=lambda r: r.fields.paired, counted_only=True, keep_prompts_together=True,
                      counts=lambda rollouts: {"pairs": sum(len(r.fields.preferred_over) for r in rollouts)},
-                     build_models=build_reference, after_update=refresh_reference),
+                     build_models=build_reference, after_update=refresh_reference, held=reference_held),
 }

@@ -15,8 +15,8 @@ import losses
 from config import check_bounds
 from microbatch import MicroBatch, Models, Objective, aggregate, give_fields, masked_stat, policy_logprobs
 from objectives import grpo
-from objectives.dpo import build_reference, engine_eos, prompt_groups, reference_rollout, reference_token_logprobs, \
-    refresh_reference
+from objectives.dpo import (build_reference, engine_eos, prompt_groups, reference_held, reference_rollout,
+                            reference_token_logprobs, refresh_reference)
 from objectives.sft import sft_loss
 
 
@@ -169,5 +169,6 @@ def build_models(cfg, initial, model_dir: str, d) -> dict:
 OBJECTIVES = {
     "gad": Objective(loss=gad_loss, prepare=prepare_teacher_responses, before_update=gad_rewards,
                      counted=lambda r: r.fields.trains_policy, counted_only=True, row_fields=("teacher_response",),
-                     build_models=build_models, after_update=refresh_reference),
+                     build_models=build_models, after_update=refresh_reference,
+                     held=lambda cfg: {**reference_held(cfg), "discriminator": "discriminator"}),
 }

@@ -246,7 +246,7 @@ TEACHER = dict(build_models=build_teacher,
                before_gradients=lambda rollouts, models, cfg, pad_id, d: {
                    "teacher": cache_teacher_hidden(cfg, models, rollouts, pad_id, d)},
                forwards_first=lambda models: not models.teacher.reads_policy, idle_forwards=idle_teacher,
-               after_update=move_teacher, checkpoint_copies=lambda cfg: int(cfg.sdpo.teacher != "live"))
+               after_update=move_teacher, held=lambda cfg: {"teacher": "copy"} if cfg.sdpo.teacher != "live" else {})
 
 OBJECTIVES = {
     "sdpo": Objective(loss=sdpo_loss, prepare=prepare_teacher_contexts, counted=lambda r: r.fields.sdpo_mask > 0,

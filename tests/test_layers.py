@@ -16,13 +16,13 @@ from test_run import ROOT, project_sources
 
 # The floors, bottom first, one line each: a module imports only from the floors below its own.
 FLOORS = """
-errors losses packing image_prompts processes
-config distributed chunked_head feedback
+errors losses packing image_prompts
+config distributed chunked_head feedback processes
 tasks microbatch teacher discriminator logger
 data tiny_models policy
 sdpo sync update
 objectives rollout checkpoint
-evaluate flags
+evaluate flags plan
 warm_start
 run
 """

@@ -909,10 +909,12 @@ def _metrics(out_dir):
 
 
 def _run(args, nproc=1, timeout=420, cwd=ROOT):
+    """run.py, or under torchrun run.py's cli with every collective held to a GPU node's process
+    group (tests/collectives.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, os.path.join(ROOT, "run.py")] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
-         os.path.join(ROOT, "run.py")]
+         os.path.join(ROOT, "tests", "collectives.py")]
     proc = subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
