@@ -2,11 +2,14 @@
 
 The metrics: docs/metrics.md (eval/); --eval_only, --teacher_gap, --blind: docs/loop.md (Evaluation only).
 """
+from __future__ import annotations
+
 import json
 import math
 import os
 import random
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,11 +18,13 @@ import microbatch
 import objectives
 import packing
 import sdpo
-from config import Config
 from logger import status
 from distributed import Dist, rank0_call
 from policy import load_policy, pad_token_id
 from rollout import generate_and_score
+
+if TYPE_CHECKING:
+    from config import Config
 
 
 def evaluate(engine, tokenizer, rows, cfg: Config, before: list | None = None,
@@ -154,7 +159,7 @@ def context_entropies(engine, tokenizer, rows, cfg: Config, model_dir: str, devi
     Evaluation only)."""
     rollouts = generate_and_score(engine, tokenizer, rows, cfg, cfg.rollout.eval_seed, cfg.rollout.n,
                                   cfg.rollout.temperature)
-    coverage = objectives.prepare_teacher_contexts(rollouts, tokenizer, cfg)["sdpo/teacher_coverage"]
+    coverage = objectives.sdpo.prepare_teacher_contexts(rollouts, tokenizer, cfg)["sdpo/teacher_coverage"]
     model = load_policy(model_dir, cfg, 1, device).eval()
     pad_id = pad_token_id(tokenizer)
 
@@ -173,10 +178,11 @@ def context_entropies(engine, tokenizer, rows, cfg: Config, model_dir: str, devi
     student = score([r.prompt_ids + r.response_ids for r in rollouts], [len(r.response_ids) for r in rollouts])
     cat = lambda pairs, k: torch.cat([p[k] for p in pairs])
     out = {"eval/entropy_student": float(cat(student, 1).mean()) if student else 0.0}
-    used = [j for j, r in enumerate(rollouts) if r.sdpo_mask > 0]
-    teacher = dict(zip(used, score([rollouts[j].teacher_ids for j in used], [len(rollouts[j].response_ids) for j in used])))
+    used = [j for j, r in enumerate(rollouts) if r.fields.sdpo_mask > 0]
+    teacher = dict(zip(used, score([rollouts[j].fields.teacher_ids for j in used],
+                                   [len(rollouts[j].response_ids) for j in used])))
     for kind in ("demonstration", "feedback", "any"):
-        chosen = [j for j in used if kind in ("any", rollouts[j].teacher_context)]
+        chosen = [j for j in used if kind in ("any", rollouts[j].fields.teacher_context)]
         if not chosen:
             continue
         s_pairs, t_pairs = [student[j] for j in chosen], [teacher[j] for j in chosen]

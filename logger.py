@@ -1,12 +1,18 @@
 """What a run reports: metrics.jsonl, wandb (offline unless asked), samples.jsonl, the
 progress bar, and early warnings, on rank 0."""
+from __future__ import annotations
+
 import dataclasses
 import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from config import Config, save_config
+from config import save_config
+
+if TYPE_CHECKING:
+    from config import Config
 
 # A teacher flatter than its student pulls the student towards a flatter distribution: one step
 # above 0.1 nats, or a mean above 0 over 5 steps, warns (the thresholds' measurements: docs/loop.md)

@@ -20,7 +20,7 @@ import run
 import tiny_models
 import warm_start
 from microbatch import Models
-from objectives import OBJECTIVES
+from objectives import OBJECTIVES, grpo, hybrid, sdpo as sdpo_objective
 from rollout import Sample
 from teacher import Teacher
 from evaluate import context_entropies, paired_gain, row_success, stderr, teacher_gap, teacher_gap_warnings
@@ -166,17 +166,30 @@ def undocumented_metrics(keys) -> list:
         fnmatch.fnmatchcase(k, d) or fnmatch.fnmatchcase(d, k) for d in documented))
 
 
+def project_sources() -> list:
+    """Every Python file of the project, its packages' too (tasks/, feedback/, objectives/), less
+    the tests, the benches and vLLM's plugins."""
+    found = []
+    for folder, subfolders, files in os.walk(ROOT):
+        top = os.path.relpath(folder, ROOT).split(os.sep)[0]
+        subfolders[:] = [s for s in subfolders if not s.startswith((".", "__"))]
+        if top not in ("tests", "bench", "vllm_plugins", "runs"):
+            found += [os.path.join(folder, name) for name in files if name.endswith(".py")]
+    return sorted(found)
+
+
 def test_every_metric_the_code_names_is_documented():
     """Each key a module logs (a string literal in a metric namespace; an f-string's fields as `*`)
     has its row in docs/metrics.md; the end-to-end runs check what they logged the same way."""
     names = "|".join(METRIC_NAMESPACES)
     keys = set()
-    for name in os.listdir(ROOT):
-        if name.endswith(".py"):
-            with open(os.path.join(ROOT, name)) as f:
-                source = f.read()
-            keys |= set(re.findall(rf'(?<!\w)"((?:{names})/[\w@.]+)"', source))
-            keys |= {re.sub(r"\{[^}]*\}", "*", k) for k in re.findall(rf'f"((?:{names})/[\w@.{{}} +*]+)"', source)}
+    sources = project_sources()
+    assert {"objectives/sdpo.py", "tasks/quiz.py", "feedback/__init__.py"} <= {os.path.relpath(p, ROOT) for p in sources}
+    for path in sources:
+        with open(path) as f:
+            source = f.read()
+        keys |= set(re.findall(rf'(?<!\w)"((?:{names})/[\w@.]+)"', source))
+        keys |= {re.sub(r"\{[^}]*\}", "*", k) for k in re.findall(rf'f"((?:{names})/[\w@.{{}} +*]+)"', source)}
     assert len(keys) > 80  # the scan finds them
     assert undocumented_metrics(keys) == []
 
@@ -236,6 +249,7 @@ def test_frozen_teacher_never_moves_and_live_needs_no_copy(tiny_dir):
 
 def _rollouts(tokenizer, algo, n_prompts=3, n=4, seed=0, no_success=False):
     """Canned rollouts with uneven lengths, as prepare_rollouts would leave them."""
+    fields = {"sdpo": sdpo_objective.Fields, "hybrid": hybrid.Fields}.get(algo, grpo.Fields)
     g = torch.Generator().manual_seed(seed)
     rows = data.task_rows("strops", "train", n_prompts, seed=seed)
     out = []
@@ -247,7 +261,8 @@ def _rollouts(tokenizer, algo, n_prompts=3, n=4, seed=0, no_success=False):
             reward = 0.0 if no_success else float(j == 0)
             r = microbatch.Rollout(row=row, prompt_ids=prompt, response_ids=response,
                             rollout_logprobs=(-torch.rand(length, generator=g) * 5).tolist(),
-                            text="", truncated=False, reward=reward, advantage=float(torch.randn(1, generator=g)))
+                            text="", truncated=False, reward=reward, fields=fields())
+            r.fields.advantage = float(torch.randn(1, generator=g))  # drawn for every objective: the same rollouts
             out.append(r)
     if algo in ("sdpo", "hybrid"):
         import sdpo
@@ -256,7 +271,7 @@ def _rollouts(tokenizer, algo, n_prompts=3, n=4, seed=0, no_success=False):
                                       [tokenizer.decode(r.response_ids) for r in out], [r.reward for r in out],
                                       fb or [""] * len(out), sdpo.SdpoConfig(include_environment_feedback=True))
         for r, ids, m in zip(out, tb.input_ids, tb.mask):
-            r.teacher_ids, r.sdpo_mask = ids, float(m)
+            r.fields.teacher_ids, r.fields.sdpo_mask = ids, float(m)
     return out
 
 
@@ -297,7 +312,7 @@ def _grads(tiny_dir, tokenizer, algo, micro_batch, mini_batches=1, teacher_kind=
     teacher = Teacher(teacher_kind, cfg.sdpo.teacher_rate, _policy(tiny_dir) if teacher_kind != "live" else None)
     recorder = GradRecorder(policy)
     rollouts = _rollouts(tokenizer, algo)
-    metrics, _ = _update(cfg, run.Trainer(Models(policy, teacher), recorder, NoSchedule()), rollouts,
+    metrics, _ = _update(cfg, run.Trainer(Models(policy, teacher=teacher), recorder, NoSchedule()), rollouts,
                          tokenizer.pad_token_id)
     return recorder.grads, metrics
 
@@ -453,15 +468,15 @@ def test_the_eos_diagnostic_is_the_teachers_log_prob_of_stopping_minus_the_stude
     rollouts[1].truncated = True
     mb = microbatch.micro_batch(None, rollouts, step_counts(rollouts, OBJECTIVES[algo]), tokenizer.pad_token_id,
                                 CPU, None, 1)
-    _, stats = OBJECTIVES[algo].loss(mb, Models(policy, Teacher("ema", 0.05, teacher_model)), cfg)
+    _, stats = OBJECTIVES[algo].loss(mb, Models(policy, teacher=Teacher("ema", 0.05, teacher_model)), cfg)
 
     def last_token_logprob(model, ids):
         with torch.no_grad():
             logits = model.hf(input_ids=torch.tensor([ids])).logits[0, -2].float()
         return torch.log_softmax(logits, -1)[ids[-1]].item()
-    gaps = [last_token_logprob(teacher_model, r.teacher_ids) - last_token_logprob(policy, r.prompt_ids + r.response_ids)
-            for r in rollouts if r.sdpo_mask > 0 and not r.truncated]
-    assert 0 < len(gaps) < sum(r.sdpo_mask > 0 for r in rollouts)
+    gaps = [last_token_logprob(teacher_model, r.fields.teacher_ids) - last_token_logprob(policy, r.prompt_ids + r.response_ids)
+            for r in rollouts if r.fields.sdpo_mask > 0 and not r.truncated]
+    assert 0 < len(gaps) < sum(r.fields.sdpo_mask > 0 for r in rollouts)
     total, count = stats["sdpo/teacher_minus_student_logprob_eos"]
     assert count == len(gaps) and total == pytest.approx(sum(gaps), abs=1e-4)
 
@@ -476,18 +491,18 @@ def test_the_demonstration_diagnostic_splits_right_and_wrong_samples(tiny_dir, t
     for i, r in enumerate(rollouts):
         r.reward = float(i % 4 in (0, 1))  # two successes a group: each demonstrates for the other
         r.text, r.feedback = tokenizer.decode(r.response_ids), "Wrong Answer: input abc expected cba"
-    objectives.prepare_teacher_contexts(rollouts, tokenizer, cfg)
+    sdpo_objective.prepare_teacher_contexts(rollouts, tokenizer, cfg)
     mb = microbatch.micro_batch(None, rollouts, step_counts(rollouts, OBJECTIVES["sdpo"]), tokenizer.pad_token_id,
                                 CPU, None, 1)
-    _, stats = OBJECTIVES["sdpo"].loss(mb, Models(policy, Teacher("ema", 0.05, teacher_model)), cfg)
+    _, stats = OBJECTIVES["sdpo"].loss(mb, Models(policy, teacher=Teacher("ema", 0.05, teacher_model)), cfg)
 
     def response_logprobs(model, ids, length):
         with torch.no_grad():
             logits = model.hf(input_ids=torch.tensor([ids])).logits[0, -length - 1:-1].float()
         return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[-length:])[:, None]).squeeze(1)
     for name, right in (("demo_right", True), ("demo_wrong", False)):
-        chosen = [r for r in rollouts if r.teacher_context == "demonstration" and (r.reward >= 0.5) == right]
-        gaps = [response_logprobs(teacher_model, r.teacher_ids, len(r.response_ids))
+        chosen = [r for r in rollouts if r.fields.teacher_context == "demonstration" and (r.reward >= 0.5) == right]
+        gaps = [response_logprobs(teacher_model, r.fields.teacher_ids, len(r.response_ids))
                 - response_logprobs(policy, r.prompt_ids + r.response_ids, len(r.response_ids)) for r in chosen]
         total, count = stats[f"sdpo/teacher_minus_student_logprob_{name}"]
         assert len(chosen) == 6 and count == sum(len(g) for g in gaps)
@@ -501,11 +516,11 @@ def test_no_success_and_no_feedback_gives_zero_sdpo_loss(tiny_dir, tokenizer):
     policy = _policy(tiny_dir)
     teacher = Teacher("ema", 0.05, _policy(tiny_dir))
     rollouts = _rollouts(tokenizer, "sdpo", no_success=True)
-    assert all(r.sdpo_mask == 0.0 for r in rollouts)
+    assert all(r.fields.sdpo_mask == 0.0 for r in rollouts)
     counts = step_counts(rollouts, OBJECTIVES["sdpo"])
     assert counts["tokens"] == 0 and counts["sequences"] == 0
     mb = microbatch.micro_batch(None, rollouts, counts, tokenizer.pad_token_id, CPU, None, 1)
-    loss, stats = objectives.sdpo_loss(mb, Models(policy, teacher), cfg)
+    loss, stats = sdpo_objective.sdpo_loss(mb, Models(policy, teacher=teacher), cfg)
     assert torch.isfinite(loss) and loss.item() == 0.0
     loss.backward()
     grads = [p.grad for p in policy.parameters() if p.grad is not None]
@@ -520,16 +535,17 @@ def test_a_batch_with_nothing_to_learn_runs_no_forward(tiny_dir, tokenizer, algo
     policy = _policy(tiny_dir)
     teacher = Teacher("ema", 0.5, _policy(tiny_dir)) if algo in ("sdpo", "hybrid") else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-    trainer = run.Trainer(Models(policy, teacher), optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
+    trainer = run.Trainer(Models(policy, teacher=teacher), optimizer,
+                          torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
     rollouts = _rollouts(tokenizer, algo, no_success=True)
     for r in rollouts:
-        r.advantage = 0.0  # every group tied
+        r.fields.advantage = 0.0  # every group tied
     forwards = []
     policy.register_forward_hook(lambda module, args, out: forwards.append(1))
     metrics, stepped = _update(cfg, trainer, rollouts, tokenizer.pad_token_id)
     assert not stepped and metrics["actor/skipped_steps"] == 2 and forwards == []
     if algo != "sdpo":  # one sample that can move the weights: its optimizer step runs
-        rollouts[0].advantage = 0.5
+        rollouts[0].fields.advantage = 0.5
         metrics, stepped = _update(cfg, trainer, rollouts, tokenizer.pad_token_id)
         assert forwards and stepped and metrics["actor/skipped_steps"] == 1
 
@@ -542,10 +558,11 @@ def test_a_batch_with_nothing_to_learn_takes_no_optimizer_step(tiny_dir, tokeniz
     policy, copy = _policy(tiny_dir, seed=4), _policy(tiny_dir)
     teacher = Teacher("ema", 0.5, copy) if algo == "sdpo" else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.1)
-    trainer = run.Trainer(Models(policy, teacher), optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
+    trainer = run.Trainer(Models(policy, teacher=teacher), optimizer,
+                          torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
     rollouts = _rollouts(tokenizer, algo, no_success=True)
     for r in rollouts:
-        r.advantage = 0.0  # every group tied
+        r.fields.advantage = 0.0  # every group tied
     before = [p.detach().clone() for p in policy.parameters()]
     teacher_before = [p.detach().clone() for p in copy.parameters()]
     metrics, stepped = _update(cfg, trainer, rollouts, tokenizer.pad_token_id)
@@ -642,14 +659,14 @@ def test_prepare_rollouts_scores_advantages_and_teacher_contexts(tokenizer):
     assert [r.reward for r in rollouts] == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     assert rollouts[0].feedback  # strops feedback names a failing case
     # Dr. GRPO: reward minus the group's mean, not divided by its std
-    assert [r.advantage for r in rollouts] == pytest.approx([-1 / 3, 2 / 3, -1 / 3, 0, 0, 0], abs=1e-6)
+    assert [r.fields.advantage for r in rollouts] == pytest.approx([-1 / 3, 2 / 3, -1 / 3, 0, 0, 0], abs=1e-6)
     # row 0's failures are shown its success; the success has no other to see (not itself); row 1's
     # samples are shown their own feedback
-    assert [r.sdpo_mask for r in rollouts] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
-    assert [r.teacher_context for r in rollouts] == ["demonstration", "", "demonstration"] + ["feedback"] * 3
+    assert [r.fields.sdpo_mask for r in rollouts] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [r.fields.teacher_context for r in rollouts] == ["demonstration", "", "demonstration"] + ["feedback"] * 3
     for r in rollouts:
-        assert r.teacher_ids[-len(r.response_ids):] == r.response_ids
-    teacher_prompt = lambda r: tokenizer.decode(r.teacher_ids[:-len(r.response_ids)])
+        assert r.fields.teacher_ids[-len(r.response_ids):] == r.response_ids
+    teacher_prompt = lambda r: tokenizer.decode(r.fields.teacher_ids[:-len(r.response_ids)])
     assert rows[0]["reference"] in teacher_prompt(rollouts[0]) and rollouts[0].feedback not in teacher_prompt(rollouts[0])
     assert rows[0]["reference"] not in teacher_prompt(rollouts[1])
     assert rollouts[4].feedback.strip() in teacher_prompt(rollouts[4])
@@ -659,7 +676,7 @@ def test_prepare_rollouts_scores_advantages_and_teacher_contexts(tokenizer):
     cfg = run.parse_config(["--algo=hybrid", "--rollout.n=3", "--algo.norm_adv_by_std=True"])
     rollouts, _ = run.prepare_rollouts(engine, tokenizer, rows, cfg, OBJECTIVES["hybrid"], 0)
     std = (1 / 3) ** 0.5
-    assert [r.advantage for r in rollouts] == pytest.approx([-1 / 3 / std, 2 / 3 / std, -1 / 3 / std, 0, 0, 0],
+    assert [r.fields.advantage for r in rollouts] == pytest.approx([-1 / 3 / std, 2 / 3 / std, -1 / 3 / std, 0, 0, 0],
                                                             abs=1e-5)
     assert metrics["reward/success_rate"] == pytest.approx(sum(r.reward >= 0.5 for r in rollouts) / 6)
     # --sdpo.distill_successes=False: the success, shown its own answer, would be distilled; routed it
@@ -668,11 +685,11 @@ def test_prepare_rollouts_scores_advantages_and_teacher_contexts(tokenizer):
     shown, _ = run.prepare_rollouts(engine, tokenizer, rows, run.parse_config(flags), OBJECTIVES["hybrid"], 0)
     routed, _ = run.prepare_rollouts(engine, tokenizer, rows, run.parse_config(flags + ["--sdpo.distill_successes=False"]),
                                      OBJECTIVES["hybrid"], 0)
-    assert [r.sdpo_mask for r in shown] == [1.0] * 6
-    assert [r.sdpo_mask for r in routed] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
-    assert [r.teacher_context for r in routed] == ["demonstration", "", "demonstration"] + ["feedback"] * 3
-    assert [r.advantage for r in routed] == [r.advantage for r in shown]
-    assert [r.teacher_ids for i, r in enumerate(routed) if i != 1] == [r.teacher_ids for i, r in enumerate(shown) if i != 1]
+    assert [r.fields.sdpo_mask for r in shown] == [1.0] * 6
+    assert [r.fields.sdpo_mask for r in routed] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [r.fields.teacher_context for r in routed] == ["demonstration", "", "demonstration"] + ["feedback"] * 3
+    assert [r.fields.advantage for r in routed] == [r.fields.advantage for r in shown]
+    assert [r.fields.teacher_ids for i, r in enumerate(routed) if i != 1] == [r.fields.teacher_ids for i, r in enumerate(shown) if i != 1]
 
 
 def test_samples_log_holds_one_sample_per_prompt_with_reward_and_feedback(tokenizer, tmp_path):
@@ -1362,12 +1379,12 @@ def test_a_model_of_ones_own_gets_the_pretrained_preset_and_the_run_says_so(tiny
 
 
 def test_every_recipe_sets_known_flags_only(monkeypatch):
-    import config
+    import flags
     import tasks
-    assert {"tiny", "strops", "quiz", "shapes"} <= set(config.recipe_names())
-    for name in config.recipe_names():
+    assert {"tiny", "strops", "quiz", "shapes"} <= set(flags.recipe_names())
+    for name in flags.recipe_names():
         for algo in OBJECTIVES:
-            config.apply_flags(config.Config(), config.recipe_flags(name, algo), name)
+            flags.apply_flags(flags.Config(), flags.recipe_flags(name, algo), name)
     monkeypatch.setattr(tasks.TASKS["quiz"], "RECIPE", {"optim.learning_rate": 1e-5})
     with pytest.raises(ValueError, match="tasks/quiz.py: no flag --optim.learning_rate"):
         run.parse_config(["--recipe=quiz"])
