@@ -111,6 +111,10 @@ class AlgoConfig:
 @dataclass
 class SdpoArgs(sdpo.SdpoConfig):
     distill: Literal["topk", "full", "token"] = "topk"
+    # token_mean: the mean over the optimizer step's distilled tokens; seq_mean_token_mean: the mean
+    # over all of its samples of each one's token mean, a sample without a teacher context counting 0
+    # (lasgroup/SDPO's and TRL's). Which, and why the default: docs/loop.md, Aggregation
+    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
     topk: int = 100
     add_tail: bool = True
     # 0 forward KL, 1 reverse KL, between: generalized JSD. 0.5: the paper's choice without rich
@@ -390,6 +394,10 @@ def check_config(cfg: Config):
         raise FlagError(f"--dpo.label_smoothing={c.dpo.label_smoothing}: must be at least 0 and below 0.5")
     if c.dpo.reference_free and c.dpo.ref_update_every:
         raise FlagError("--dpo.reference_free has no reference to refresh: drop --dpo.ref_update_every")
+    if c.sdpo.loss_agg != "token_mean" and (c.algo.loss_agg_mode != "auto" or c.train.mask_truncated):
+        clash = "--algo.loss_agg_mode" if c.algo.loss_agg_mode != "auto" else "--train.mask_truncated"
+        raise FlagError(f"--sdpo.loss_agg={c.sdpo.loss_agg} divides by every sample of an optimizer step, and "
+                        f"{clash} changes which count: drop one of the two")
     objective = objectives.OBJECTIVES[c.algo.name]  # a unit of the split: a prompt's samples, or a sample
     single = c.train.shuffle_samples and not (objective.keep_prompts_together or objective.references)
     units = c.train.prompts_per_step * (c.rollout.n if single else 1)

@@ -192,7 +192,8 @@ def sdpo_head(mb: MicroBatch, models: Models, cfg, teacher_hidden: torch.Tensor)
 def sdpo_loss(mb: MicroBatch, models: Models, cfg):
     """Distillation towards the teacher's next-token distributions on the student's own
     tokens, times the IS clip (several optimizer steps per batch) and the engine correction,
-    over the samples with a teacher context (token-mean)."""
+    over the samples with a teacher context (--sdpo.loss_agg: token-mean, or the mean over all the
+    step's samples of each one's token mean)."""
     teacher_hidden = teacher_hidden_for(mb, models, cfg)
     loss, current, entropy, teacher_lp, teacher_entropy = forward(models.policy, mb.packed,
                                                                   sdpo_head(mb, models, cfg, teacher_hidden))
@@ -209,6 +210,8 @@ def sdpo_loss(mb: MicroBatch, models: Models, cfg):
         "sdpo/divergence_truncated": lambda r: r.truncated}))
     stats.update(teacher_diagnostics(mb, mask, current, entropy, teacher_lp, teacher_entropy,
                                      cfg.sdpo.success_threshold))
+    if cfg.sdpo.loss_agg == "seq_mean_token_mean":  # over all the step's samples (docs/loop.md, Aggregation)
+        return losses.aggregate(per_token, mask, "seq-mean-token-mean", global_sequences=mb.counts["samples"]), stats
     return aggregate(mb, per_token, mask, cfg, "token-mean"), stats
 
 

@@ -303,8 +303,8 @@ def _grads(tiny_dir, tokenizer, algo, micro_batch, mini_batches=1, teacher_kind=
 
 
 @pytest.mark.parametrize("algo,flags", [("sdpo", {}), ("sdpo", {"chunked": False, "alpha": 1.0}),
-                                        ("sdpo", {"distill": "token"}), ("grpo", {}), ("gspo", {}),
-                                        ("hybrid", {})])
+                                        ("sdpo", {"distill": "token"}), ("sdpo", {"loss_agg": "seq_mean_token_mean"}),
+                                        ("grpo", {}), ("gspo", {}), ("hybrid", {})])
 def test_micro_batch_size_does_not_change_gradients(tiny_dir, tokenizer, algo, flags):
     one, metrics_one = _grads(tiny_dir, tokenizer, algo, 1, **flags)
     four, metrics_four = _grads(tiny_dir, tokenizer, algo, 4, **flags)
@@ -494,6 +494,36 @@ def test_the_demonstration_diagnostic_splits_right_and_wrong_samples(tiny_dir, t
         assert total == pytest.approx(sum(g.sum().item() for g in gaps), abs=1e-4)
     both = [stats[f"sdpo/teacher_minus_student_logprob_{k}"] for k in ("demo_right", "demo_wrong", "demo")]
     assert both[0][1] + both[1][1] == both[2][1] and both[0][0] + both[1][0] == pytest.approx(both[2][0], abs=1e-4)
+
+
+def test_seq_mean_token_mean_is_the_mean_over_every_sample_of_its_token_mean(tiny_dir, tokenizer):
+    """--sdpo.loss_agg=seq_mean_token_mean, by hand: each sample's token mean of the per-token loss
+    (the token_mean loss of that sample alone), summed over the samples with a teacher context and
+    divided by all the step's samples, the 4 without a context counting 0 (lasgroup/SDPO's and
+    TRL's aggregation); computed in two micro-batches with the step's counts."""
+    flags = ["--algo=sdpo", "--sdpo.topk=8"]
+    token_cfg, seq_cfg = run.parse_config(flags), run.parse_config(flags + ["--sdpo.loss_agg=seq_mean_token_mean"])
+    models = Models(_policy(tiny_dir, seed=1), Teacher("ema", 0.05, _policy(tiny_dir, seed=2)))
+    rollouts = _rollouts(tokenizer, "sdpo")
+    for r in rollouts[:4]:  # the first prompt's samples: no teacher context
+        r.sdpo_mask = 0.0
+    pad = tokenizer.pad_token_id
+
+    def loss(part, cfg, counts):
+        with torch.no_grad():
+            return objectives.sdpo_loss(microbatch.micro_batch(None, part, counts, pad, CPU, None, 1), models, cfg)[0].item()
+    means = [loss([r], token_cfg, step_counts([r], OBJECTIVES["sdpo"])) for r in rollouts if r.sdpo_mask > 0]
+    counts = step_counts(rollouts, OBJECTIVES["sdpo"])
+    got = loss(rollouts[:5], seq_cfg, counts) + loss(rollouts[5:], seq_cfg, counts)
+    assert got == pytest.approx(sum(means) / len(rollouts), rel=1e-5)
+    assert abs(got - sum(means) / len(means)) > 1e-3 * abs(got)  # not over the distilled samples only
+    assert abs(got - loss(rollouts, token_cfg, counts)) > 1e-3 * abs(got)  # nor token_mean
+
+
+def test_seq_mean_token_mean_refuses_a_flag_that_changes_its_count():
+    for clash in ("--train.mask_truncated=True", "--algo.loss_agg_mode=token-mean"):
+        with pytest.raises(data.FlagError, match=f"--sdpo.loss_agg=seq_mean_token_mean .* {clash.split('=')[0]}"):
+            run.parse_config(["--algo=sdpo", "--sdpo.loss_agg=seq_mean_token_mean", clash])
 
 
 def test_no_success_and_no_feedback_gives_zero_sdpo_loss(tiny_dir, tokenizer):
