@@ -435,6 +435,22 @@ def verdicts(results: list[dict]) -> list[str]:
     return out
 
 
+def run_all(args, algos: list[str], common: list[str], files: dict, out: str) -> list[dict]:
+    """Each objective for each seed, in order (or their figures, --summarize / --reuse)."""
+    results, baseline = [], ""
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for algo in algos:
+            if algo == "trl_sdpo":
+                baseline = baseline or evaluate_start(common, out)
+                results.append(trl_result(seed, common, args, files, out, baseline, args.reuse or args.summarize))
+                continue
+            results.append(algo_result(algo, seed, common, args.steps, out, args.summarize, baseline,
+                                       args.reuse))
+            # the first run's step-0 evaluation serves the others: the same model, rows and sampling seed
+            baseline = baseline or os.path.join(out, algo if seed == 0 else f"{algo}-seed{seed}")
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12, help="training steps per objective")
@@ -479,17 +495,7 @@ def main():
               # held-out batch's sequences at once; a smaller cache only schedules fewer together
               "--rollout.kv_cache_tokens=32768"] + extra
     lines = [teacher_gap_result(common, args.teacher_gap_rows, out)] if args.teacher_gap and not args.summarize else []
-    results, baseline = [], ""
-    for seed in [int(s) for s in args.seeds.split(",")]:
-        for algo in algos:
-            if algo == "trl_sdpo":
-                baseline = baseline or evaluate_start(common, out)
-                results.append(trl_result(seed, common, args, files, out, baseline, args.reuse or args.summarize))
-                continue
-            results.append(algo_result(algo, seed, common, args.steps, out, args.summarize, baseline,
-                                       args.reuse))
-            # the first run's step-0 evaluation serves the others: the same model, rows and sampling seed
-            baseline = baseline or os.path.join(out, algo if seed == 0 else f"{algo}-seed{seed}")
+    results = run_all(args, algos, common, files, out)
     header = (f"{'objective':>12} {'before':>6} {'after':>6} {'gain':>6} {'SE':>5} {'truncated':>12} "
               f"{'entropy':>10} {'T-S ent':>7} " + " ".join(f"{k.split('/')[-1]:>7}" for k in SPLIT)
               + f" {'other':>6} {'wall':>6} {'peakGB':>6}")
