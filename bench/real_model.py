@@ -164,15 +164,21 @@ def mean(records: list[dict], key: str) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def teacher_gap_result(common: list[str], rows: int, out: str) -> str:
-    """Success bare / with a demonstration / with feedback, and the entropies (evaluate.context_entropies)."""
-    records, seconds, peak = run_monitored(common + ["--eval_only=True", "--teacher_gap=True",
-                                                     f"--data.eval_rows={rows}"],
-                                           os.path.join(out, "teacher_gap"))
-    gap = records[-1]
-    print(f"teacher gap ({seconds:.0f}s, peak {peak:.2f} GB): "
-          + ", ".join(f"{k.removeprefix('eval/')}={v:.3f}" for k, v in gap.items() if k.startswith("eval/")),
-          flush=True)
+def teacher_gap_metrics(common: list[str], rows: int, run_dir: str, reuse: bool = False) -> dict:
+    """`--eval_only --teacher_gap` on the first `rows` held-out rows (evaluate.teacher_gap and
+    context_entropies): success bare / with a demonstration / with feedback, the entropies, and the
+    teacher's right-minus-wrong signal. reuse: read an earlier result in run_dir if there is one."""
+    if not (reuse and os.path.exists(os.path.join(run_dir, "metrics.jsonl"))):
+        _, seconds, peak = run_monitored(common + ["--eval_only=True", "--teacher_gap=True", f"--data.eval_rows={rows}"],
+                                         run_dir)
+        print(f"teacher gap ({seconds:.0f}s, peak {peak:.2f} GB)", flush=True)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f][-1]
+
+
+def teacher_gap_result(common: list[str], rows: int, out: str, reuse: bool = False) -> str:
+    """Success bare / with a demonstration / with feedback, the entropies and right minus wrong."""
+    gap = teacher_gap_metrics(common, rows, os.path.join(out, "teacher_gap"), reuse)
     value = lambda key: gap.get(f"eval/{key}", float("nan"))
     return (f"RESULT teacher_gap rows={rows} bare={value('success_rate'):.3f} "
             f"demonstration={value('success_rate_with_demonstration'):.3f} "
@@ -182,6 +188,8 @@ def teacher_gap_result(common: list[str], rows: int, out: str) -> str:
             f"entropy_teacher_feedback={value('entropy_teacher_feedback'):.3f} "
             f"(student_on_same={value('entropy_student_on_feedback'):.3f}) "
             f"teacher_minus_student_entropy={value('teacher_minus_student_entropy'):.3f} "
+            f"right_minus_wrong={value('teacher_gap_right_minus_wrong'):+.3f} "
+            f"right_minus_wrong_se={value('teacher_gap_right_minus_wrong_stderr'):.3f} "
             f"truncated={value('truncated_frac'):.3f}")
 
 
@@ -451,8 +459,9 @@ def run_all(args, algos: list[str], common: list[str], files: dict, out: str) ->
     return results
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """This bench's flags (bench/icl_warm_start.py adds its own); the rest pass to run.py."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12, help="training steps per objective")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
@@ -474,7 +483,22 @@ def main():
                              "again: add an objective to earlier runs, paired with them")
     parser.add_argument("--summarize", action="store_true",
                         help="only print the figures of the runs already in --out (run with this script)")
-    args, extra = parser.parse_known_args()
+    return parser
+
+
+def common_flags(args, model: str, files: dict, extra: list[str]) -> list[str]:
+    """The run.py flags every run of the bench shares."""
+    return [f"--model.path={model}", f"--data.task={files['train']}", f"--data.eval_path={files['test']}",
+            "--data.reward=math", f"--rollout.max_tokens={args.max_tokens}",
+            f"--rollout.temperature={args.temperature}", f"--data.eval_rows={args.eval_rows}",
+            f"--rollout.eval_k={args.eval_k}", f"--train.prompts_per_step={args.prompts}", f"--rollout.n={args.n}",
+            # 1.5 GB at this model's 46 KB a token (float32, 30 layers): enough for the
+            # held-out batch's sequences at once; a smaller cache only schedules fewer together
+            "--rollout.kv_cache_tokens=32768"] + extra
+
+
+def main():
+    args, extra = bench_parser(__doc__).parse_known_args()
     algos = args.algos.split(",")
     unknown = [a for a in algos if a not in ALGOS]
     if unknown:
@@ -487,14 +511,9 @@ def main():
           f"{args.steps} steps of {args.prompts} x {args.n} at T={args.temperature}, max_tokens {args.max_tokens}, "
           f"{args.eval_rows} held-out rows avg@{args.eval_k}, algos {algos}, seeds {args.seeds}"
           + (f", extra flags {extra}" if extra else ""), flush=True)
-    common = [f"--model.path={model}", f"--data.task={files['train']}", f"--data.eval_path={files['test']}",
-              "--data.reward=math", f"--rollout.max_tokens={args.max_tokens}",
-              f"--rollout.temperature={args.temperature}", f"--data.eval_rows={args.eval_rows}",
-              f"--rollout.eval_k={args.eval_k}", f"--train.prompts_per_step={args.prompts}", f"--rollout.n={args.n}",
-              # 1.5 GB at this model's 46 KB a token (float32, 30 layers): enough for the
-              # held-out batch's sequences at once; a smaller cache only schedules fewer together
-              "--rollout.kv_cache_tokens=32768"] + extra
-    lines = [teacher_gap_result(common, args.teacher_gap_rows, out)] if args.teacher_gap and not args.summarize else []
+    common = common_flags(args, model, files, extra)
+    lines = [teacher_gap_result(common, args.teacher_gap_rows, out, args.reuse)] if args.teacher_gap and not args.summarize \
+        else []
     results = run_all(args, algos, common, files, out)
     header = (f"{'objective':>12} {'before':>6} {'after':>6} {'gain':>6} {'SE':>5} {'truncated':>12} "
               f"{'entropy':>10} {'T-S ent':>7} " + " ".join(f"{k.split('/')[-1]:>7}" for k in SPLIT)
