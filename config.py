@@ -113,7 +113,7 @@ class SdpoArgs(sdpo.SdpoConfig):
     distill: Literal["topk", "full", "token"] = "topk"
     # token_mean: the mean over the optimizer step's distilled tokens; seq_mean_token_mean: the mean
     # over all of its samples of each one's token mean, a sample without a teacher context counting 0
-    # (lasgroup/SDPO's and TRL's). Which, and why the default: docs/loop.md, Aggregation
+    # (lasgroup/SDPO's and TRL's). Which, and why the default: docs/loop.md, SDPO's aggregation
     loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
     topk: int = 100
     add_tail: bool = True

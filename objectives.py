@@ -210,7 +210,7 @@ def sdpo_loss(mb: MicroBatch, models: Models, cfg):
         "sdpo/divergence_truncated": lambda r: r.truncated}))
     stats.update(teacher_diagnostics(mb, mask, current, entropy, teacher_lp, teacher_entropy,
                                      cfg.sdpo.success_threshold))
-    if cfg.sdpo.loss_agg == "seq_mean_token_mean":  # over all the step's samples (docs/loop.md, Aggregation)
+    if cfg.sdpo.loss_agg == "seq_mean_token_mean":  # over all the step's samples (docs/loop.md, SDPO's aggregation)
         return losses.aggregate(per_token, mask, "seq-mean-token-mean", global_sequences=mb.counts["samples"]), stats
     return aggregate(mb, per_token, mask, cfg, "token-mean"), stats
 
