@@ -19,6 +19,9 @@ The defaults are the paper's layout as bench/real_model.py runs it (bench/result
 temperature and the one the distillation's logits are divided by (TRL's, and ours:
 --rollout.temperature). `--micro_batch` sequences per forward: TRL's per-device batch, with
 gradient accumulation up to the optimizer step's samples (it bounds memory, not the gradient).
+One difference in the schedule stays: HF's constant_with_warmup starts at 0, so TRL's first
+optimizer step has lr 0 and its second lr/2 with `--warmup 2`, where ours has lr/2 then lr
+(policy.lr_factor): TRL's run is one step behind ours in its rate.
 
 Presets (everything not listed is TRL's default):
   ours  run.py's SDPO defaults as far as TRL has them: top-100 logits with a tail bucket,
