@@ -18,7 +18,7 @@ import microbatch
 import objectives
 import packing
 import sdpo
-from logger import status
+from logger import NOISE_SE, status
 from distributed import Dist, rank0_call
 from policy import load_policy, pad_token_id
 from rollout import generate_and_score
@@ -192,8 +192,25 @@ def context_entropies(engine, tokenizer, rows, cfg: Config, model_dir: str, devi
             out[f"eval/entropy_teacher{suffix}"] = float(cat(t_pairs, 1).mean())
         out[f"eval/teacher_minus_student_entropy{suffix}"] = float((cat(t_pairs, 1) - cat(s_pairs, 1)).mean())
         out[f"eval/teacher_minus_student_logprob{suffix}"] = float((cat(t_pairs, 0) - cat(s_pairs, 0)).mean())
+    shown = [j for j in used if rollouts[j].fields.teacher_context == "demonstration"]
+    right = lambda j: rollouts[j].reward >= cfg.sdpo.success_threshold
+    sample_gap = lambda j: float((teacher[j][0] - student[j][0]).mean())
+    out.update(right_minus_wrong([sample_gap(j) for j in shown if right(j)],
+                                 [sample_gap(j) for j in shown if not right(j)]))
     out["eval/teacher_coverage"] = coverage
     return out
+
+
+def right_minus_wrong(right: list[float], wrong: list[float]) -> dict:
+    """eval/teacher_gap_right_minus_wrong: of the samples shown a demonstration, the mean over the right
+    ones of each one's per-token teacher-minus-student log-prob, minus the same over the wrong ones,
+    and its standard error (the two means' in quadrature); nothing where either has under 2 samples.
+    What the teacher knows is this difference: over all the model's own samples the gap is
+    -KL(student || teacher) <= 0 for any teacher that differs from the student (docs/loop.md)."""
+    if min(len(right), len(wrong)) < 2:
+        return {}
+    return {"eval/teacher_gap_right_minus_wrong": sum(right) / len(right) - sum(wrong) / len(wrong),
+            "eval/teacher_gap_right_minus_wrong_stderr": math.sqrt(stderr(right) ** 2 + stderr(wrong) ** 2)}
 
 
 def evaluate_only(cfg: Config, model_dir: str, engine, tokenizer, eval_rows: list, logger, d: Dist) -> dict:
@@ -229,8 +246,10 @@ def blind_check(engine, tokenizer, rows: list, cfg: Config, seeing: list) -> dic
 def teacher_gap_warnings(metrics: dict) -> list[str]:
     """What --eval_only --teacher_gap says about SDPO's prospects, in words: a teacher context
     that does no better than the bare student (by two of its standard errors) gives SDPO
-    nothing to teach in the groups that use it, and a teacher flatter than the student on
-    the student's own tokens raises the policy's entropy (measured cases: docs/loop.md)."""
+    nothing to teach in the groups that use it, a teacher that likes the model's right answers no
+    more than its wrong ones (right minus wrong within noise of 0) cannot tell them apart, and a
+    teacher flatter than the student on the student's own tokens raises the policy's entropy
+    (measured cases: docs/loop.md)."""
     bare, margin = metrics["eval/success_rate"], 2 * metrics.get("eval/success_stderr", 0.0)
     out = []
     for kind, groups in (("demonstration", "groups with a successful sibling"),
@@ -240,6 +259,12 @@ def teacher_gap_warnings(metrics: dict) -> list[str]:
             out.append(f"the model shown a {kind} solves {shown:.1%} of held-out rows, no better than the bare "
                        f"student's {bare:.1%} (+- {margin:.1%}): SDPO's teacher has nothing to teach in {groups} "
                        f"(docs/LOG.md, 'Near the ceiling'); GRPO or --algo hybrid may do better here.")
+    gap, se = metrics.get("eval/teacher_gap_right_minus_wrong"), metrics.get("eval/teacher_gap_right_minus_wrong_stderr")
+    if gap is not None and gap <= NOISE_SE * se:
+        out.append(f"eval/teacher_gap_right_minus_wrong={gap:+.3f} ± {se:.3f} nats a token: shown a demonstration, "
+                   f"the teacher does not tell the model's right answers from its wrong ones (within {NOISE_SE:g} "
+                   f"standard errors of 0, or below), so SDPO's distillation moves both alike (docs/results.md, "
+                   f"the real pretrained model); GRPO or --algo hybrid may do better here.")
     flatter = metrics.get("eval/teacher_minus_student_entropy")
     if flatter is not None and flatter > 0:
         out.append(f"eval/teacher_minus_student_entropy={flatter:+.3f} nats: the teacher is flatter than the "

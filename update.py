@@ -212,9 +212,10 @@ def pack_units(units: list[list[int]], size: int, lengths: list | None = None, t
 
 
 def step_counts(rollouts: list, objective) -> dict:
-    """Global token / sequence counts of one optimizer step (all micro-batches, all ranks)."""
+    """Global token / sequence counts of one optimizer step (all micro-batches, all ranks); samples:
+    all its rollouts, counted or not."""
     counted = [r for r in rollouts if r.response_ids and objective.counted(r)]
-    return {"tokens": sum(len(r.response_ids) for r in counted), "sequences": len(counted),
+    return {"tokens": sum(len(r.response_ids) for r in counted), "sequences": len(counted), "samples": len(rollouts),
             "max_len": max((len(r.response_ids) for r in rollouts), default=1), **objective.counts(counted)}
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import chunked_head
 import losses
 from config import check_bounds
+from errors import FlagError
 from microbatch import (MicroBatch, Models, Objective, aggregate, engine_correction, forward, give_fields, idle_forward,
                         masked_stat, old_or_current, pack, rollout_stats, stats_by_kind)
 from sdpo import SdpoConfig, build_teacher_batch
@@ -27,6 +28,10 @@ from teacher import Teacher
 @dataclass
 class Flags(SdpoConfig):
     distill: Literal["topk", "full", "token"] = "topk"
+    # token_mean: the mean over the optimizer step's distilled tokens; seq_mean_token_mean: the mean
+    # over all of its samples of each one's token mean, a sample without a teacher context counting 0
+    # (lasgroup/SDPO's and TRL's). Which, and why the default: docs/loop.md, SDPO's aggregation
+    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
     topk: int = 100
     add_tail: bool = True
     # 0 forward KL, 1 reverse KL, between: generalized JSD. 0.5: the paper's choice without rich
@@ -50,6 +55,10 @@ class Section:
 def check_flags(cfg):
     """Its flags' bounds, checked before any work starts (flags.check_config)."""
     check_bounds(cfg, at_least={"sdpo.topk": 1}, rates=("sdpo.teacher_rate",))
+    if cfg.sdpo.loss_agg != "token_mean" and (cfg.algo.loss_agg_mode != "auto" or cfg.train.mask_truncated):
+        clash = "--algo.loss_agg_mode" if cfg.algo.loss_agg_mode != "auto" else "--train.mask_truncated"
+        raise FlagError(f"--sdpo.loss_agg={cfg.sdpo.loss_agg} divides by every sample of an optimizer step, and "
+                        f"{clash} changes which count: drop one of the two")
 
 
 @dataclass
@@ -177,7 +186,8 @@ def sdpo_head(mb: MicroBatch, models: Models, cfg, teacher_hidden: torch.Tensor)
 def sdpo_loss(mb: MicroBatch, models: Models, cfg):
     """Distillation towards the teacher's next-token distributions on the student's own
     tokens, times the IS clip (several optimizer steps per batch) and the engine correction,
-    over the samples with a teacher context (token-mean)."""
+    over the samples with a teacher context (--sdpo.loss_agg: token-mean, or the mean over all the
+    step's samples of each one's token mean)."""
     teacher_hidden = teacher_hidden_for(mb, models, cfg)
     loss, current, entropy, teacher_lp, teacher_entropy = forward(models.policy, mb.packed,
                                                                   sdpo_head(mb, models, cfg, teacher_hidden))
@@ -194,6 +204,8 @@ def sdpo_loss(mb: MicroBatch, models: Models, cfg):
         "sdpo/divergence_truncated": lambda r: r.truncated}))
     stats.update(teacher_diagnostics(mb, mask, current, entropy, teacher_lp, teacher_entropy,
                                      cfg.sdpo.success_threshold))
+    if cfg.sdpo.loss_agg == "seq_mean_token_mean":  # over all the step's samples (docs/loop.md, SDPO's aggregation)
+        return losses.aggregate(per_token, mask, "seq-mean-token-mean", global_sequences=mb.counts["samples"]), stats
     return aggregate(mb, per_token, mask, cfg, "token-mean"), stats
 
 

@@ -23,8 +23,9 @@ from microbatch import Models
 from objectives import OBJECTIVES, grpo, hybrid, sdpo as sdpo_objective
 from rollout import Sample
 from teacher import Teacher
-from evaluate import context_entropies, paired_gain, row_success, stderr, teacher_gap, teacher_gap_warnings
-from logger import DEMO_RIGHT, DEMO_WRONG, FLAT_TEACHER_METRIC, FLAT_TEACHER_NATS
+from evaluate import (context_entropies, paired_gain, right_minus_wrong, row_success, stderr, teacher_gap,
+                      teacher_gap_warnings)
+from logger import DEMO_RIGHT, DEMO_WRONG, FLAT_TEACHER_METRIC, FLAT_TEACHER_NATS, RIGHT_MINUS_WRONG
 from policy import CausalLM, load_policy, lr_factor
 from feedback import reward_function
 from update import add_stats, rank_micro_batches, rank_share, reduce_stats, step_counts
@@ -318,8 +319,8 @@ def _grads(tiny_dir, tokenizer, algo, micro_batch, mini_batches=1, teacher_kind=
 
 
 @pytest.mark.parametrize("algo,flags", [("sdpo", {}), ("sdpo", {"chunked": False, "alpha": 1.0}),
-                                        ("sdpo", {"distill": "token"}), ("grpo", {}), ("gspo", {}),
-                                        ("hybrid", {})])
+                                        ("sdpo", {"distill": "token"}), ("sdpo", {"loss_agg": "seq_mean_token_mean"}),
+                                        ("grpo", {}), ("gspo", {}), ("hybrid", {})])
 def test_micro_batch_size_does_not_change_gradients(tiny_dir, tokenizer, algo, flags):
     one, metrics_one = _grads(tiny_dir, tokenizer, algo, 1, **flags)
     four, metrics_four = _grads(tiny_dir, tokenizer, algo, 4, **flags)
@@ -509,6 +510,36 @@ def test_the_demonstration_diagnostic_splits_right_and_wrong_samples(tiny_dir, t
         assert total == pytest.approx(sum(g.sum().item() for g in gaps), abs=1e-4)
     both = [stats[f"sdpo/teacher_minus_student_logprob_{k}"] for k in ("demo_right", "demo_wrong", "demo")]
     assert both[0][1] + both[1][1] == both[2][1] and both[0][0] + both[1][0] == pytest.approx(both[2][0], abs=1e-4)
+
+
+def test_seq_mean_token_mean_is_the_mean_over_every_sample_of_its_token_mean(tiny_dir, tokenizer):
+    """--sdpo.loss_agg=seq_mean_token_mean, by hand: each sample's token mean of the per-token loss
+    (the token_mean loss of that sample alone), summed over the samples with a teacher context and
+    divided by all the step's samples, the 4 without a context counting 0 (lasgroup/SDPO's and
+    TRL's aggregation); computed in two micro-batches with the step's counts."""
+    flags = ["--algo=sdpo", "--sdpo.topk=8"]
+    token_cfg, seq_cfg = run.parse_config(flags), run.parse_config(flags + ["--sdpo.loss_agg=seq_mean_token_mean"])
+    models = Models(_policy(tiny_dir, seed=1), teacher=Teacher("ema", 0.05, _policy(tiny_dir, seed=2)))
+    rollouts = _rollouts(tokenizer, "sdpo")
+    for r in rollouts[:4]:  # the first prompt's samples: no teacher context
+        r.fields.sdpo_mask = 0.0
+    pad = tokenizer.pad_token_id
+
+    def loss(part, cfg, counts):
+        with torch.no_grad():
+            return sdpo_objective.sdpo_loss(microbatch.micro_batch(None, part, counts, pad, CPU, None, 1), models, cfg)[0].item()
+    means = [loss([r], token_cfg, step_counts([r], OBJECTIVES["sdpo"])) for r in rollouts if r.fields.sdpo_mask > 0]
+    counts = step_counts(rollouts, OBJECTIVES["sdpo"])
+    got = loss(rollouts[:5], seq_cfg, counts) + loss(rollouts[5:], seq_cfg, counts)
+    assert got == pytest.approx(sum(means) / len(rollouts), rel=1e-5)
+    assert abs(got - sum(means) / len(means)) > 1e-3 * abs(got)  # not over the distilled samples only
+    assert abs(got - loss(rollouts, token_cfg, counts)) > 1e-3 * abs(got)  # nor token_mean
+
+
+def test_seq_mean_token_mean_refuses_a_flag_that_changes_its_count():
+    for clash in ("--train.mask_truncated=True", "--algo.loss_agg_mode=token-mean"):
+        with pytest.raises(data.FlagError, match=f"--sdpo.loss_agg=seq_mean_token_mean .* {clash.split('=')[0]}"):
+            run.parse_config(["--algo=sdpo", "--sdpo.loss_agg=seq_mean_token_mean", clash])
 
 
 def test_no_success_and_no_feedback_gives_zero_sdpo_loss(tiny_dir, tokenizer):
@@ -748,31 +779,45 @@ def test_a_slightly_flatter_teacher_is_warned_when_it_stays_so(tmp_path, capsys)
     assert err.count("WARNING") == 1 and "step 14:" in err and "average over the last 5 steps" in err
 
 
-def test_a_teacher_that_lowers_right_answers_as_much_as_wrong_ones_is_warned(tmp_path, capsys):
+def test_a_teacher_whose_right_minus_wrong_is_within_noise_of_0_is_warned(tmp_path, capsys):
     """Per-step values the runs logged: the default strops job and SmolLM2-135M's SDPO at the
-    pretrained preset, where SDPO lost 7.4 points (bench/real_model.py --algos sdpo_demo)."""
+    pretrained preset, where SDPO lost 7.4 points (bench/real_model.py --algos sdpo_demo); the
+    warning reads right minus wrong against its standard error over 5 steps, not either side's sign."""
     cfg = run.parse_config([f"--log.out_dir={tmp_path}", "--log.wandb_mode=disabled"])
     logger = run.Logger(cfg, 0)
-    # the default job: right answers about unchanged, wrong ones lowered ~0.5 nats; and a step
-    # whose right value is -0.254 (its window still averages +0.010)
+    # the default job: right answers about unchanged, wrong ones lowered ~0.5 nats
     default_job = [(-0.033, -0.549), (0.056, -0.579), (0.005, -0.608), (0.278, -0.543), (-0.036, -0.654),
                    (-0.254, -0.668), (-0.046, -0.546)]
     for step, (right, wrong) in enumerate(default_job, start=1):
         logger.log(step, {DEMO_RIGHT: right, DEMO_WRONG: wrong})
-    # a teacher that lowers right answers too, but wrong ones far more, still tells them apart
+    # a teacher that lowers right answers a lot, and wrong ones more, every step: it tells them apart
     for step in range(8, 14):
-        logger.log(step, {DEMO_RIGHT: -0.15, DEMO_WRONG: -0.7})
+        logger.log(step, {DEMO_RIGHT: -0.5 - 0.01 * step, DEMO_WRONG: -0.9})
     assert "WARNING" not in capsys.readouterr().err
-    logger = run.Logger(cfg, 0)
+    logger.close()
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert RIGHT_MINUS_WRONG in records[0] and f"{RIGHT_MINUS_WRONG}_stderr" not in records[0]  # one step: no SE
+    window = [r - w for r, w in default_job[2:7]]  # steps 3-7
+    mean = sum(window) / 5
+    assert records[6][RIGHT_MINUS_WRONG] == pytest.approx(mean)
+    assert records[6][f"{RIGHT_MINUS_WRONG}_stderr"] == pytest.approx(
+        (sum((d - mean) ** 2 for d in window) / 4 / 5) ** 0.5)
     # SmolLM2: steps 5 and 8 had no right sample shown a demonstration (no value logged)
     smollm2 = [(-0.219, -0.159), (-0.235, -0.232), (-0.137, -0.172), (-0.015, -0.322), (None, -0.226),
                (-0.219, -0.188), (-0.223, -0.168), (None, -0.149), (-0.134, -0.147)]
+    logger = run.Logger(run.parse_config([f"--log.out_dir={tmp_path / 'smollm2'}", "--log.wandb_mode=disabled"]), 0)
     for step, (right, wrong) in enumerate(smollm2, start=1):
         logger.log(step, {DEMO_WRONG: wrong} if right is None else {DEMO_RIGHT: right, DEMO_WRONG: wrong})
     logger.close()
     err = capsys.readouterr().err
-    # steps 1-4 and 6 average -0.165 right, -0.215 wrong: the first window of five with data
-    assert err.count("WARNING") == 1 and "WARNING step 6:" in err and "(-0.165 nats" in err and "(-0.215)" in err
+    # steps 1-4 and 6: right minus wrong -0.060, -0.003, +0.035, +0.307, -0.031: +0.050 ± 0.066
+    assert err.count("WARNING") == 1 and "WARNING step 6:" in err and "=+0.050 ± 0.066 nats" in err
+    # a teacher that raises right and wrong answers alike tells them apart no better: warned too
+    logger = run.Logger(run.parse_config([f"--log.out_dir={tmp_path / 'alike'}", "--log.wandb_mode=disabled"]), 0)
+    for step, right in enumerate([0.21, 0.19, 0.22, 0.18, 0.2], start=1):
+        logger.log(step, {DEMO_RIGHT: right, DEMO_WRONG: 0.2})
+    logger.close()
+    assert "WARNING step 5:" in capsys.readouterr().err
 
 
 def test_data_file_split_is_announced_and_an_empty_split_is_an_error(tmp_path, capsys):
@@ -1092,6 +1137,25 @@ def test_teacher_gap_warns_where_a_context_adds_nothing_or_is_flatter():
     assert len(teacher_gap_warnings(within)) == 1
     assert teacher_gap_warnings(dict(within, **{"eval/success_rate_with_feedback": 0.387 + 0.061})) == []
     assert teacher_gap_warnings({"eval/success_rate": 0.3}) == []  # no --teacher_gap: nothing to judge
+
+
+def test_right_minus_wrong_is_the_difference_of_the_per_sample_means_with_its_standard_error():
+    got = right_minus_wrong([0.1, 0.3], [-0.2, 0.0, -0.1])
+    assert got["eval/teacher_gap_right_minus_wrong"] == pytest.approx(0.3)
+    # the sample variances 0.02 and 0.01, over 2 and 3 samples
+    assert got["eval/teacher_gap_right_minus_wrong_stderr"] == pytest.approx((0.02 / 2 + 0.01 / 3) ** 0.5)
+    assert right_minus_wrong([0.1], [0.0, 0.2]) == {}  # one right sample: no standard error
+
+
+def test_teacher_gap_warns_where_the_teacher_likes_right_and_wrong_answers_alike():
+    """Not the sign: a teacher below the student on both kinds, right well above wrong, is fine;
+    right minus wrong within two standard errors of 0, or below, warns."""
+    base = {"eval/success_rate": 0.3, "eval/success_stderr": 0.02}
+    apart = {"eval/teacher_gap_right_minus_wrong": 0.30, "eval/teacher_gap_right_minus_wrong_stderr": 0.05}
+    assert teacher_gap_warnings({**base, **apart}) == []
+    for gap in (0.09, -0.2):
+        got = teacher_gap_warnings({**base, **apart, "eval/teacher_gap_right_minus_wrong": gap})
+        assert len(got) == 1 and f"eval/teacher_gap_right_minus_wrong={gap:+.3f} ± 0.050" in got[0]
 
 
 def test_eval_only_teacher_gap_prints_its_warnings_and_logs_the_gap(tiny_dir, tokenizer, tmp_path, capsys):
