@@ -2,6 +2,8 @@
 --train.resume), the final model as an ordinary HF directory, and the out_dir's checks at the
 start. Every directory is written under a .partial name and renamed when complete, so that a
 killed run never leaves a half-written one under a name that is read later."""
+from __future__ import annotations
+
 import contextlib
 import json
 import math
@@ -12,15 +14,18 @@ import shutil
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from config import Config
 from data import PathError
 from distributed import Dist, rank0_call
-from policy import Trainer
 from sync import full_state_dict
+
+if TYPE_CHECKING:
+    from config import Config
+    from policy import Trainer
 
 # What a run writes into its out_dir that a second run there would mix with its own
 RUN_RECORDS = ("metrics.jsonl", "samples.jsonl", "final", "eval_rows.jsonl")
@@ -91,7 +96,8 @@ def check_out_dir(cfg: Config, resuming: bool, model_dir: str = "", objective=No
     if not model_dir:
         return
     model = 4 * parameter_count(model_dir)  # float32, as the trainer holds and saves it
-    copies = 3 + ("teacher" in objective.models and cfg.sdpo.teacher != "live")  # + AdamW's two moments, the teacher
+    # + AdamW's two moments, the objective's copies of the policy (a teacher, a reference)
+    copies = 3 + sum(kind == "copy" for kind in objective.held(cfg).values())
     saves = cfg.train.steps // cfg.train.save_every if cfg.train.save_every else 0
     need, total = model + min(saves, 1) * copies * model, model + saves * copies * model
     free = shutil.disk_usage(out).free
@@ -169,9 +175,9 @@ def load_checkpoint(path: str, trainer: Trainer, cfg: Config, d: Dist):
                         f"of the run") from e
     set_state_dict(trainer.models.policy, trainer.optimizer, model_state_dict=state["policy"],
                    optim_state_dict=state["optimizer"])
-    for name in ("teacher", "reference", "discriminator"):
+    for name, model in trainer.models.extra.items():  # kept under its name: teacher, reference, discriminator
         if name in state:
-            getattr(trainer.models, name).load_state_dict(state[name])
+            model.load_state_dict(state[name])
     torch.set_rng_state(state["meta"]["torch_rng"])
     random.setstate(state["meta"]["python_rng"])
     first_eval = None
@@ -201,12 +207,9 @@ def checkpoint_state(trainer: Trainer, step: int) -> dict:
     model_state, optim_state = get_state_dict(trainer.models.policy, trainer.optimizer)
     state = {"policy": model_state, "optimizer": optim_state,
              "meta": {"step": step, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}}
-    if trainer.models.teacher is not None and trainer.models.teacher.copy is not None:
-        state["teacher"] = trainer.models.teacher.state_dict()
-    if trainer.models.reference is not None:
-        state["reference"] = trainer.models.reference.state_dict()
-    if trainer.models.discriminator is not None:  # with its optimizer and step count
-        state["discriminator"] = trainer.models.discriminator.state_dict()
+    for name, model in trainer.models.extra.items():  # the objective's models (a discriminator with its optimizer)
+        if (model_state := model.state_dict()) is not None:
+            state[name] = model_state
     return state
 
 

@@ -4,6 +4,11 @@
 The flags' defaults are the pretrained-model preset: what a run on a model you bring
 (`--model.path DIR`) should start from (the comments say where each value comes from). The tiny
 model the project builds needs other values: its recipe and the tasks' (README, Configuration).
+
+The ground floor of the house: it imports nothing of the project but errors.py. The flags a
+table owns are written beside it and handed in: the tasks' difficulty flags (tasks.TaskConfig,
+under --data) and the objectives' sections (objectives.Sections: --algo, --sdpo, --dpo, --gad).
+flags.py puts them together into the run's Config, with the recipes and parse_config.
 """
 import dataclasses
 import itertools
@@ -12,31 +17,36 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Literal
 
-import data
-import feedback
-import losses
-import objectives
-import sdpo
-import tasks
-import tiny_models
-from data import FlagError
+from errors import FlagError
 
-# The values the run prints beside its recipe's own: what decides how hard an update pushes
-HEADLINE = ("optim.lr", "optim.warmup_steps", "train.mini_batches", "algo.eps_low", "algo.eps_high", "algo.kl_coef",
-            "sdpo.alpha", "sdpo.topk", "sdpo.teacher_rate", "sdpo.include_environment_feedback", "rollout.max_tokens")
+if TYPE_CHECKING:
+    import objectives
+
+
+# The tiny model the project builds (tiny_models.py) when no --model.path is given
+@dataclass
+class TinyModelConfig:
+    seed: int = 0
+    vocab_size: int = 1024
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 2  # head_dim 64: vLLM's CPU attention rejects smaller heads
+    intermediate_size: int = 512
+    max_position_embeddings: int = 2048
 
 
 @dataclass
 class ModelConfig:
     path: str = ""  # a local HF model directory; empty: the tiny model built from the task corpus
-    tiny: tiny_models.TinyModelConfig = field(default_factory=tiny_models.TinyModelConfig)
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     gradient_checkpointing: bool = False
 
 
 @dataclass
-class DataConfig(tasks.TaskConfig):
+class DataConfig:
+    """The data's own flags (--data.*); the tasks' difficulty flags join them (flags.DataConfig)."""
     task: str = "strops"  # a synthetic task (arith, strops) or a .jsonl/.parquet file
     eval_path: str = ""  # held-out file (default: the task's test split / a hash split of the file)
     fields: str = ""  # column mapping for files, e.g. prompt=question,answer=solution
@@ -102,81 +112,6 @@ class RolloutConfig:
     def memory_share(self) -> float:
         """--rollout.gpu_memory_utilization, or its value by placement."""
         return self.gpu_memory_utilization or (0.9 if self.placement == "separate" else 0.3)
-
-
-@dataclass
-class AlgoConfig:
-    # the choices are the rows of objectives.OBJECTIVES
-    name: Annotated[Literal[tuple(objectives.OBJECTIVES)],
-                    __import__("tyro").conf.arg(name="algo", prefix_name=False)] = "sdpo"
-    lam: float = 0.9  # hybrid: A = lam * A_grpo + (1 - lam) * A_sdpo
-    norm_adv_by_std: bool = False  # GRPO's advantage divided by the group's std; off: Dr. GRPO, as in the SDPO runs
-    eps_low: float = 0.2  # PPO clip
-    eps_high: float = 0.2  # 0.28 for DAPO's clip-higher
-    gspo_eps_low: float = 3e-4  # GSPO clips a sequence-level ratio: far narrower ranges
-    gspo_eps_high: float = 4e-4
-    kl_coef: float = 0.001  # GAD: weight of the KL to the initial policy (the GAD paper's: k3, 0.001)
-    kl_type: Literal[tuple(k + p for k in losses.KL_KINDS for p in ("", "+"))] = "k3"  # "+": k2's gradient
-    kl_in_reward: bool = False  # GAD: subtract kl_coef * the sequence's KL from the reward instead of a loss term
-    loss_agg_mode: Literal["auto", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                           "seq-mean-token-sum-norm"] = "auto"  # auto: seq-mean-token-mean for GSPO, else token-mean
-
-
-@dataclass
-class SdpoArgs(sdpo.SdpoConfig):
-    distill: Literal["topk", "full", "token"] = "topk"
-    topk: int = 100
-    add_tail: bool = True
-    # 0 forward KL, 1 reverse KL, between: generalized JSD. 0.5: the paper's choice without rich
-    # feedback (Table 12); reverse KL (1.0) is its choice with rich feedback (tasks/quiz.py)
-    alpha: float = 0.5
-    is_clip: float = 2.0
-    chunked: bool = True  # top-K loss from hidden states, never materialising [tokens, vocab]
-    chunk_size: int = 512
-    teacher: Literal["ema", "frozen", "trust-region", "live"] = "ema"
-    teacher_rate: float = 0.05
-    teacher_micro_batch: int = 32
-    share_teacher_prefix: bool = True  # a group's question, then each distinct teacher prompt, once (KV cache)
-
-
-@dataclass
-class DpoConfig:
-    """Online DPO (pairs among a prompt's samples) and SPIN (the row's reference over each sample)."""
-    pairs: Literal["best_worst", "all"] = "best_worst"  # per prompt: best sample over worst, or every pair
-    # with a reward difference
-    chosen: Literal["sample", "reference"] = "sample"  # reference: SPIN, the row's reference is always chosen
-    loss_type: Literal[losses.DPO_KINDS] = "sigmoid"  # sigmoid, ipo (length-normalised log-probs), hinge, robust
-    beta: float = 0.1
-    label_smoothing: float = 0.0  # ε of sigmoid (conservative DPO) and robust; < 0.5
-    ref_update_every: int = 0  # the reference becomes the policy every N steps (SPIN's iterations); 0: never
-    reference_free: bool = False  # no reference model: the log-ratios are the policy's log-probs alone
-
-
-@dataclass
-class GadConfig:
-    """GAD (--algo gad): the discriminator and the two stages (docs/gad.md)."""
-    disc_path: str = ""  # a local HF directory for the discriminator's backbone; empty: the student's start
-    # The discriminator's AdamW lr (the paper's 1e-6 is for 8B models); weight decay and betas are --optim's
-    lr: float = 1e-4
-    grad_clip: float = 1.0  # the discriminator's gradient-norm clip
-    # the discriminator's optimizer steps on each rollout batch; the rewards and gad/d_acc are the
-    # scores before the first (more steps a batch did not help on the quiz: docs/gad.md)
-    disc_steps: int = 1
-    # what the scalar head reads: the last real token's hidden state, or the mean of the response tokens'
-    pool: Literal["last", "mean"] = "last"
-    policy_loss: Literal["ppo", "gspo"] = "ppo"  # the student's clipped surrogate
-    warmup_steps: int = 0  # stage 1: SFT of the student on the teacher's responses while the discriminator trains
-    critic_warmup: int = 0  # then this many steps train only the discriminator
-    # On a synthetic task the rows have no teacher_response: the project makes a black-box teacher,
-    # the tiny model after this many SFT steps on the task's references (the student's start has
-    # train.warm_start_steps), and writes its sampled text to a JSONL file (cached, docs/gad.md).
-    teacher_steps: int = 1000
-    # the discriminator's score has no fixed scale: GAD's advantages are divided by the group's std
-    norm_adv_by_std: bool = True
-    teacher_temperature: float = 0.6  # the self-made teacher's sampling temperature
-    # "constant": every sample's reward is 0 (the control: the same stages, SFT warmup and KL to the start,
-    # with no signal from the discriminator, which still trains and logs d_acc; docs/gad.md)
-    reward: Literal["discriminator", "constant"] = "discriminator"
 
 
 @dataclass
@@ -274,15 +209,10 @@ class LogConfig:
 @dataclass
 class Config:
     # the values on top of the flags' defaults: auto picks pretrained for a --model.path the project
-    # did not build, else the task's own (tasks/<task>.py), else tiny_models.py's; a name picks one (config.recipe_name)
+    # did not build, else the task's own (tasks/<task>.py), else tiny_models.py's; a name picks one (flags.recipe_name)
     recipe: str = "auto"
     model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    sdpo: SdpoArgs = field(default_factory=SdpoArgs)
-    dpo: DpoConfig = field(default_factory=DpoConfig)
-    gad: GadConfig = field(default_factory=GadConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -300,34 +230,22 @@ class Config:
     # model's config.json, the flags and this node's devices, and exit: 2 where it cannot fit,
     # naming the flag to change (plan.py; docs/scale.md)
     plan: bool = False
-
-
-def parse_config(argv=None) -> Config:
-    """Flags -> Config: the recipe's values (recipe_flags) on the flags' defaults, then the command
-    line on top. Booleans take a value (--sdpo.add_tail=False), as sweep agents pass them.
-    Every value is resolved here and checked (check_config) before any work starts. `--help`
-    comes after the recipe is chosen, so it shows the values this run uses."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    argv = [re.sub(r"=(true|false)$", lambda m: "=" + m.group(1).capitalize(), a, flags=re.I) for a in argv]
-    argv = [a + "=True" if a in ("--debug", "--plan") else a for a in argv]
-    # which model, task, objective and recipe: they choose the recipe
-    asked = parse_flags(Config(), [a for a in argv if a not in ("-h", "--help")])
-    name = recipe_name(asked)
-    flags = recipe_flags(name, asked.algo.name)
-    cfg = parse_flags(apply_flags(Config(), flags, recipe_source(name)), argv, help_text(name, flags))
-    cfg.recipe = name
-    check_config(cfg)
-    return cfg
+    if TYPE_CHECKING:  # the sections the tables hand in: the run's Config is flags.Config
+        data: DataConfig  # with the tasks' flags (tasks.TaskConfig)
+        algo: objectives.AlgoConfig
+        sdpo: objectives.sdpo.Flags
+        dpo: objectives.dpo.Flags
+        gad: objectives.gad.Flags
 
 
 def parse_flags(default: Config, argv: list, description: str = "") -> Config:
-    """tyro's parse of argv on default. A flag it rejects is a FlagError: the first lines of
-    tyro's message (its full box with --debug or SDPO_DEBUG=1)."""
+    """tyro's parse of argv on default (an instance of the run's Config, flags.Config). A flag it
+    rejects is a FlagError: the first lines of tyro's message (its full box with --debug or SDPO_DEBUG=1)."""
     import contextlib
     import io
 
     import tyro
-    parse = lambda: tyro.cli(Config, args=argv, default=default, description=description or None,
+    parse = lambda: tyro.cli(type(default), args=argv, default=default, description=description or None,
                              config=(tyro.conf.FlagConversionOff,))
     if debugging(argv):
         return parse()
@@ -363,93 +281,36 @@ def debugging(argv=None) -> bool:
         re.fullmatch(r"--debug(=true|=1)?", a, flags=re.I) for a in argv)
 
 
-def help_text(name: str, flags: dict) -> str:
-    """`--help`'s heading: which recipe the defaults below include, and how to see another's."""
-    source = "the flags' own defaults, for a pretrained model" if name == "pretrained" else \
-        f"{recipe_source(name)}: " + " ".join(f"--{k}={v}" for k, v in flags.items())
-    return (f"Train a causal LM with SDPO, GRPO, GSPO, the hybrid, DPO/SPIN, GAD or SFT (README). The defaults "
-            f"below are this run's: recipe {name} ({source}). Other flags choose another recipe: --model.path, "
-            f"--data.task, --algo, --recipe NAME (pretrained, {', '.join(recipe_names())}).")
-
-
-def recipe_names() -> list[str]:
-    """The recipes --recipe takes besides pretrained: the tiny model's and each task's own."""
-    return sorted(["tiny", *(name for name in tasks.TASKS if tasks.recipe(name, "") is not None)])
-
-
-def recipe_source(name: str) -> str:
-    """Where the recipe called name is written."""
-    return "tiny_models.py" if name == "tiny" else f"tasks/{name}.py"
-
-
 # Checked by check_config: each whole-number flag's least value; the flags that must be > 0; rates, 0 to 1
 AT_LEAST = {"train.steps": 0, "train.prompts_per_step": 1, "train.mini_batches": 1, "train.micro_batch": 1,
             "rollout.n": 1, "rollout.max_tokens": 1, "rollout.eval_k": 1, "rollout.cpu_threads": 0,
-            "train.cpu_threads": 0, "data.train_rows": 1, "data.eval_rows": 1, "sdpo.topk": 1,
-            "dpo.ref_update_every": 0, "gad.disc_steps": 1, "gad.warmup_steps": 0, "gad.critic_warmup": 0,
+            "train.cpu_threads": 0, "data.train_rows": 1, "data.eval_rows": 1,
             "train.warm_start_context_steps": 0, "train.warm_start_check_every": 1, "log.samples_per_step": 0,
             "rollout.tensor_parallel": 1}
-POSITIVE = ("optim.lr", "rollout.temperature", "rollout.eval_temperature", "dpo.beta", "gad.lr", "gad.grad_clip",
-            "train.collective_timeout_min")
-RATES = ("sdpo.teacher_rate", "train.warm_start_target", "rollout.gpu_memory_utilization")
+POSITIVE = ("optim.lr", "rollout.temperature", "rollout.eval_temperature", "train.collective_timeout_min")
+RATES = ("train.warm_start_target", "rollout.gpu_memory_utilization")
 
 
 def check_config(cfg: Config):
-    """Values that would fail minutes later, after the engine's start, fail here, naming the flag."""
-    c = cfg
-    for name, least in AT_LEAST.items():
-        if flag_value(c, name) < least:
-            raise FlagError(f"--{name}={flag_value(c, name)}: must be at least {least}")
+    """Values of config.py's flags that would fail minutes later, after the engine's start, fail
+    here, naming the flag (the tables' flags: flags.check_config)."""
+    check_bounds(cfg, AT_LEAST, POSITIVE, RATES)
     for name in ("teacher_gap", "blind"):
-        if getattr(c, name) and not c.eval_only:
+        if getattr(cfg, name) and not cfg.eval_only:
             raise FlagError(f"--{name} is a measurement of --eval_only; add --eval_only")
-    for name in POSITIVE:
-        if not flag_value(c, name) > 0:
-            raise FlagError(f"--{name}={flag_value(c, name)}: must be > 0")
-    for name in RATES:
-        if not 0 <= flag_value(c, name) <= 1:
-            raise FlagError(f"--{name}={flag_value(c, name)}: a rate, 0 to 1")
-    if not 0 <= c.dpo.label_smoothing < 0.5:
-        raise FlagError(f"--dpo.label_smoothing={c.dpo.label_smoothing}: must be at least 0 and below 0.5")
-    if c.dpo.reference_free and c.dpo.ref_update_every:
-        raise FlagError("--dpo.reference_free has no reference to refresh: drop --dpo.ref_update_every")
-    objective = objectives.OBJECTIVES[c.algo.name]  # a unit of the split: a prompt's samples, or a sample
-    single = c.train.shuffle_samples and not (objective.keep_prompts_together or objective.references)
-    units = c.train.prompts_per_step * (c.rollout.n if single else 1)
-    if c.train.mini_batches > units:
-        raise FlagError(f"--train.mini_batches={c.train.mini_batches}: more optimizer steps than the {units} "
-                         f"{'prompts' if units == c.train.prompts_per_step else 'samples'} of a step")
-    tasks.check_flags(c.data)  # else a task's flag would fail only once rows are drawn
-    if c.data.reward:
-        try:
-            feedback.get_reward_fn(c.data.reward)
-        except ValueError as e:  # it names the reward
-            raise FlagError(f"--data.reward: {e}") from None
-    if c.model.path:
-        data.check_model_dir(c.model.path)
 
 
-def recipe_name(cfg: Config) -> str:
-    """--recipe, or for auto: pretrained for a --model.path the project did not build (the flags'
-    defaults), else the task's own (tasks/<task>.py) where it has one, else tiny. A tiny model
-    passed as --model.path (a warm start the benches reuse, a run's final model) keeps its task's."""
-    if cfg.recipe != "auto":
-        if cfg.recipe != "pretrained" and cfg.recipe not in recipe_names():
-            raise FlagError(f"--recipe {cfg.recipe}: no such recipe (known: pretrained, {', '.join(recipe_names())})")
-        return cfg.recipe
-    if cfg.model.path and not tiny_models.built_here(cfg.model.path):
-        return "pretrained"
-    return cfg.data.task if tasks.recipe(cfg.data.task, "") is not None else "tiny"
-
-
-def recipe_flags(name: str, algo: str) -> dict:
-    """A recipe's flag values: a task's are the tiny model's, then its RECIPE, then its
-    RECIPE_BY_ALGO[algo] (tasks.recipe)."""
-    if name == "pretrained":
-        return {}
-    if name == "tiny":
-        return dict(tiny_models.RECIPE)
-    return {**recipe_flags("tiny", algo), **tasks.recipe(name, algo)}
+def check_bounds(cfg: Config, at_least: dict | None = None, positive: tuple = (), rates: tuple = ()):
+    """FlagError naming the first flag below its least value ({flag: least}), not > 0, or not a rate (0 to 1)."""
+    for name, least in (at_least or {}).items():
+        if flag_value(cfg, name) < least:
+            raise FlagError(f"--{name}={flag_value(cfg, name)}: must be at least {least}")
+    for name in positive:
+        if not flag_value(cfg, name) > 0:
+            raise FlagError(f"--{name}={flag_value(cfg, name)}: must be > 0")
+    for name in rates:
+        if not 0 <= flag_value(cfg, name) <= 1:
+            raise FlagError(f"--{name}={flag_value(cfg, name)}: a rate, 0 to 1")
 
 
 def apply_flags(cfg: Config, flags: dict, source: str) -> Config:
@@ -461,14 +322,6 @@ def apply_flags(cfg: Config, flags: dict, source: str) -> Config:
             raise FlagError(f"{source}: no flag --{name}")
         setattr(target, key, value)
     return cfg
-
-
-def describe(cfg: Config) -> str:
-    """The recipe and the values that decide a run's updates, as the run prints them."""
-    flags = recipe_flags(cfg.recipe, cfg.algo.name)
-    source = "the flags' defaults, for a pretrained model" if cfg.recipe == "pretrained" else recipe_source(cfg.recipe)
-    names = list(flags) + [n for n in HEADLINE if n not in flags]
-    return f"recipe: {cfg.recipe} ({source}): " + " ".join(f"--{n}={flag_value(cfg, n)}" for n in names)
 
 
 def flag_value(cfg: Config, name: str):

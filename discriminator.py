@@ -171,6 +171,9 @@ class Critic:
                        optim_state_dict=state["optimizer"])
         self.steps = int(state["steps"])
 
+    def networks(self) -> list:
+        return [self.model]
+
 
 def start_positions(starts: list[int] | None, seqs: list, device) -> torch.Tensor:
     """Response starts [B] (0 where not given: the whole sequence is the response)."""

@@ -2,11 +2,14 @@
 
 The metrics: docs/metrics.md (eval/); --eval_only, --teacher_gap, --blind: docs/loop.md (Evaluation only).
 """
+from __future__ import annotations
+
 import json
 import math
 import os
 import random
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,11 +18,13 @@ import microbatch
 import objectives
 import packing
 import sdpo
-from config import Config
-from logger import status
+from logger import NOISE_SE, status
 from distributed import Dist, rank0_call
 from policy import load_policy, pad_token_id
 from rollout import generate_and_score
+
+if TYPE_CHECKING:
+    from config import Config
 
 
 def evaluate(engine, tokenizer, rows, cfg: Config, before: list | None = None,
@@ -154,7 +159,7 @@ def context_entropies(engine, tokenizer, rows, cfg: Config, model_dir: str, devi
     Evaluation only)."""
     rollouts = generate_and_score(engine, tokenizer, rows, cfg, cfg.rollout.eval_seed, cfg.rollout.n,
                                   cfg.rollout.temperature)
-    coverage = objectives.prepare_teacher_contexts(rollouts, tokenizer, cfg)["sdpo/teacher_coverage"]
+    coverage = objectives.sdpo.prepare_teacher_contexts(rollouts, tokenizer, cfg)["sdpo/teacher_coverage"]
     model = load_policy(model_dir, cfg, 1, device).eval()
     pad_id = pad_token_id(tokenizer)
 
@@ -173,10 +178,11 @@ def context_entropies(engine, tokenizer, rows, cfg: Config, model_dir: str, devi
     student = score([r.prompt_ids + r.response_ids for r in rollouts], [len(r.response_ids) for r in rollouts])
     cat = lambda pairs, k: torch.cat([p[k] for p in pairs])
     out = {"eval/entropy_student": float(cat(student, 1).mean()) if student else 0.0}
-    used = [j for j, r in enumerate(rollouts) if r.sdpo_mask > 0]
-    teacher = dict(zip(used, score([rollouts[j].teacher_ids for j in used], [len(rollouts[j].response_ids) for j in used])))
+    used = [j for j, r in enumerate(rollouts) if r.fields.sdpo_mask > 0]
+    teacher = dict(zip(used, score([rollouts[j].fields.teacher_ids for j in used],
+                                   [len(rollouts[j].response_ids) for j in used])))
     for kind in ("demonstration", "feedback", "any"):
-        chosen = [j for j in used if kind in ("any", rollouts[j].teacher_context)]
+        chosen = [j for j in used if kind in ("any", rollouts[j].fields.teacher_context)]
         if not chosen:
             continue
         s_pairs, t_pairs = [student[j] for j in chosen], [teacher[j] for j in chosen]
@@ -186,8 +192,25 @@ def context_entropies(engine, tokenizer, rows, cfg: Config, model_dir: str, devi
             out[f"eval/entropy_teacher{suffix}"] = float(cat(t_pairs, 1).mean())
         out[f"eval/teacher_minus_student_entropy{suffix}"] = float((cat(t_pairs, 1) - cat(s_pairs, 1)).mean())
         out[f"eval/teacher_minus_student_logprob{suffix}"] = float((cat(t_pairs, 0) - cat(s_pairs, 0)).mean())
+    shown = [j for j in used if rollouts[j].fields.teacher_context == "demonstration"]
+    right = lambda j: rollouts[j].reward >= cfg.sdpo.success_threshold
+    sample_gap = lambda j: float((teacher[j][0] - student[j][0]).mean())
+    out.update(right_minus_wrong([sample_gap(j) for j in shown if right(j)],
+                                 [sample_gap(j) for j in shown if not right(j)]))
     out["eval/teacher_coverage"] = coverage
     return out
+
+
+def right_minus_wrong(right: list[float], wrong: list[float]) -> dict:
+    """eval/teacher_gap_right_minus_wrong: of the samples shown a demonstration, the mean over the right
+    ones of each one's per-token teacher-minus-student log-prob, minus the same over the wrong ones,
+    and its standard error (the two means' in quadrature); nothing where either has under 2 samples.
+    What the teacher knows is this difference: over all the model's own samples the gap is
+    -KL(student || teacher) <= 0 for any teacher that differs from the student (docs/loop.md)."""
+    if min(len(right), len(wrong)) < 2:
+        return {}
+    return {"eval/teacher_gap_right_minus_wrong": sum(right) / len(right) - sum(wrong) / len(wrong),
+            "eval/teacher_gap_right_minus_wrong_stderr": math.sqrt(stderr(right) ** 2 + stderr(wrong) ** 2)}
 
 
 def evaluate_only(cfg: Config, model_dir: str, engine, tokenizer, eval_rows: list, logger, d: Dist) -> dict:
@@ -223,8 +246,10 @@ def blind_check(engine, tokenizer, rows: list, cfg: Config, seeing: list) -> dic
 def teacher_gap_warnings(metrics: dict) -> list[str]:
     """What --eval_only --teacher_gap says about SDPO's prospects, in words: a teacher context
     that does no better than the bare student (by two of its standard errors) gives SDPO
-    nothing to teach in the groups that use it, and a teacher flatter than the student on
-    the student's own tokens raises the policy's entropy (measured cases: docs/loop.md)."""
+    nothing to teach in the groups that use it, a teacher that likes the model's right answers no
+    more than its wrong ones (right minus wrong within noise of 0) cannot tell them apart, and a
+    teacher flatter than the student on the student's own tokens raises the policy's entropy
+    (measured cases: docs/loop.md)."""
     bare, margin = metrics["eval/success_rate"], 2 * metrics.get("eval/success_stderr", 0.0)
     out = []
     for kind, groups in (("demonstration", "groups with a successful sibling"),
@@ -234,6 +259,12 @@ def teacher_gap_warnings(metrics: dict) -> list[str]:
             out.append(f"the model shown a {kind} solves {shown:.1%} of held-out rows, no better than the bare "
                        f"student's {bare:.1%} (+- {margin:.1%}): SDPO's teacher has nothing to teach in {groups} "
                        f"(docs/LOG.md, 'Near the ceiling'); GRPO or --algo hybrid may do better here.")
+    gap, se = metrics.get("eval/teacher_gap_right_minus_wrong"), metrics.get("eval/teacher_gap_right_minus_wrong_stderr")
+    if gap is not None and gap <= NOISE_SE * se:
+        out.append(f"eval/teacher_gap_right_minus_wrong={gap:+.3f} ± {se:.3f} nats a token: shown a demonstration, "
+                   f"the teacher does not tell the model's right answers from its wrong ones (within {NOISE_SE:g} "
+                   f"standard errors of 0, or below), so SDPO's distillation moves both alike (docs/results.md, "
+                   f"the real pretrained model); GRPO or --algo hybrid may do better here.")
     flatter = metrics.get("eval/teacher_minus_student_entropy")
     if flatter is not None and flatter > 0:
         out.append(f"eval/teacher_minus_student_entropy={flatter:+.3f} nats: the teacher is flatter than the "

@@ -105,3 +105,24 @@ class ImagePrompts:
             return ImageInputs(ids, torch.zeros(0), torch.zeros(0, 3, dtype=torch.long), mask)
         inputs = self.pixel_inputs([mask], [images])
         return ImageInputs(ids, inputs["pixel_values"], inputs["image_grid_thw"], mask)
+
+
+def draw_shapes(shapes: list[dict], size: int, grid: int):
+    """The picture of a scene: each shape {"kind", "colour", "cell", "scale", "dx", "dy"} drawn in
+    its grid cell on a white background (PIL, RGB): the picture task's (tasks/shapes.py), and the
+    weight sync's probe of a vision-language model (sync.image_probe)."""
+    from PIL import Image, ImageDraw
+    image = Image.new("RGB", (size, size), "white")
+    draw, cell = ImageDraw.Draw(image), size / grid
+    for s in shapes:
+        r, c = divmod(s["cell"], grid)
+        half = cell * s["scale"] / 2
+        cx, cy = (c + 0.5 + s["dx"]) * cell, (r + 0.5 + s["dy"]) * cell
+        box = [cx - half, cy - half, cx + half, cy + half]
+        if s["kind"] == "circle":
+            draw.ellipse(box, fill=s["colour"])
+        elif s["kind"] == "square":
+            draw.rectangle(box, fill=s["colour"])
+        else:
+            draw.polygon([(cx, cy - half), (cx - half, cy + half), (cx + half, cy + half)], fill=s["colour"])
+    return image

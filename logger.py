@@ -1,25 +1,34 @@
 """What a run reports: metrics.jsonl, wandb (offline unless asked), samples.jsonl, the
 progress bar, and early warnings, on rank 0."""
+from __future__ import annotations
+
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from config import Config, save_config
+from config import save_config
+
+if TYPE_CHECKING:
+    from config import Config
 
 # A teacher flatter than its student pulls the student towards a flatter distribution: one step
 # above 0.1 nats, or a mean above 0 over 5 steps, warns (the thresholds' measurements: docs/loop.md)
 FLAT_TEACHER_METRIC, FLAT_TEACHER_NATS = "sdpo/teacher_minus_student_entropy", 0.1
 FLAT_TEACHER_WINDOW = 5
 
-# A demonstration teacher that lowers the student's right answers, and by about as much as its
-# wrong ones, cannot tell them apart: distilling it pulls the policy off what it gets right.
-# Means over 5 steps that had both kinds of sample (nats a token): right below -0.1 and right
-# minus wrong below 0.1 warns (the measured cases the thresholds sit between: docs/loop.md)
+# The demonstration teacher's signal is how much more it likes the student's right answers than its
+# wrong ones (per token). The sign of either side says nothing: the tokens are the student's own
+# samples, so over all of them E[log T - log S] = -KL(S || T) <= 0 for any teacher that differs from
+# the student. Right minus wrong, each step's, over the last 5 steps that had both kinds of sample,
+# is logged with its standard error over those steps; within 2 of them of 0, or below, warns.
 DEMO_RIGHT = "sdpo/teacher_minus_student_logprob_demo_right"
 DEMO_WRONG = "sdpo/teacher_minus_student_logprob_demo_wrong"
-LOWERED_RIGHT_NATS, RIGHT_OVER_WRONG_NATS = -0.1, 0.1
+RIGHT_MINUS_WRONG = "sdpo/teacher_gap_right_minus_wrong"
+NOISE_SE = 2.0
 
 # The metrics the progress bar shows, by their short names
 SHOWN = {"reward/mean": "reward", "reward/success_rate": "success", "eval/success_rate": "eval",
@@ -45,7 +54,7 @@ class Logger:
         self.rank, self.cfg, self.run, self.samples, self.warned = rank, cfg, None, None, set()
         self.bar = None  # the progress bar, once progress() starts it
         self.recent_gaps = []  # the last FLAT_TEACHER_WINDOW steps' teacher-minus-student entropy
-        self.recent_demo = []  # (right, wrong) of the last FLAT_TEACHER_WINDOW steps that had both
+        self.recent_demo = []  # right minus wrong of the last FLAT_TEACHER_WINDOW steps that had both
         if rank != 0:
             return
         save_config(cfg, cfg.log.out_dir)
@@ -63,6 +72,7 @@ class Logger:
         if self.rank != 0:
             return
         record = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+        record.update(self.right_minus_wrong(record))
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.run is not None:
@@ -95,24 +105,35 @@ class Logger:
                   f"solves (docs/results.md: the real pretrained model; docs/LOG.md: near the ceiling); check "
                   f"--eval_only --teacher_gap, and compare with --algo grpo.")
 
-    def warn_undiscerning_teacher(self, step: int, record: dict):
-        """A demonstration teacher that does not tell the student's right answers from its wrong ones."""
+    def right_minus_wrong(self, record: dict) -> dict:
+        """RIGHT_MINUS_WRONG and its standard error: the mean of right minus wrong over the last
+        FLAT_TEACHER_WINDOW steps that logged both (a step without a right or a wrong sample shown a
+        demonstration logs neither: update.reduce_stats), the SE over those steps (from 2 on)."""
         right, wrong = record.get(DEMO_RIGHT), record.get(DEMO_WRONG)
-        # logged only in steps that had a right (and a wrong) sample shown a demonstration
-        if right is None or wrong is None or DEMO_RIGHT in self.warned:
+        if right is None or wrong is None:
+            return {}
+        self.recent_demo = (self.recent_demo + [right - wrong])[-FLAT_TEACHER_WINDOW:]
+        k = len(self.recent_demo)
+        mean = sum(self.recent_demo) / k
+        if k < 2:
+            return {RIGHT_MINUS_WRONG: mean}
+        se = math.sqrt(sum((d - mean) ** 2 for d in self.recent_demo) / (k - 1) / k)
+        return {RIGHT_MINUS_WRONG: mean, f"{RIGHT_MINUS_WRONG}_stderr": se}
+
+    def warn_undiscerning_teacher(self, step: int, record: dict):
+        """A demonstration teacher that does not tell the student's right answers from its wrong
+        ones: over FLAT_TEACHER_WINDOW steps, right minus wrong within NOISE_SE standard errors of 0,
+        or below (not the sign of either side, which the student's own samples pull below 0)."""
+        mean, se = record.get(RIGHT_MINUS_WRONG), record.get(f"{RIGHT_MINUS_WRONG}_stderr")
+        if se is None or len(self.recent_demo) < FLAT_TEACHER_WINDOW or RIGHT_MINUS_WRONG in self.warned \
+                or mean > NOISE_SE * se:
             return
-        self.recent_demo = (self.recent_demo + [(right, wrong)])[-FLAT_TEACHER_WINDOW:]
-        if len(self.recent_demo) < FLAT_TEACHER_WINDOW:
-            return
-        right, wrong = (sum(values) / FLAT_TEACHER_WINDOW for values in zip(*self.recent_demo))
-        if right >= LOWERED_RIGHT_NATS or right - wrong >= RIGHT_OVER_WRONG_NATS:
-            return
-        self.warn(DEMO_RIGHT, step,
-                  f"shown a successful sibling, the teacher lowers the student's right answers ({right:+.3f} nats a "
-                  f"token over the last {FLAT_TEACHER_WINDOW} steps that had them) about as much as its wrong ones "
-                  f"({wrong:+.3f}): it does not tell them apart, so distilling it pulls the policy off what it gets "
-                  f"right (docs/results.md, the real pretrained model). Compare "
-                  f"with --algo grpo or --algo hybrid.")
+        self.warn(RIGHT_MINUS_WRONG, step,
+                  f"{RIGHT_MINUS_WRONG}={mean:+.3f} ± {se:.3f} nats a token over the last {FLAT_TEACHER_WINDOW} "
+                  f"steps that had right and wrong samples shown a demonstration: within {NOISE_SE:g} standard "
+                  f"errors of 0, or below, so the teacher does not tell the student's right answers from its wrong "
+                  f"ones, and distilling its whole distribution moves both alike (docs/results.md, the real "
+                  f"pretrained model). Compare with --algo grpo or --algo hybrid.")
 
     def warn(self, key: str, step: int, message: str):
         self.warned.add(key)

@@ -1,8 +1,10 @@
-"""Rollouts and micro-batches: the types every objective reads, and the forward mechanics they share.
+"""Rollouts and micro-batches: the types every objective reads, the row each objective is in
+objectives.OBJECTIVES (Objective: its loss and its hooks), and the forward mechanics they share.
 
 Statistics are (sum, count) pairs that update.reduce_stats averages over micro-batches and ranks;
 a name ending in "_max" is a maximum instead (its count is ignored).
 """
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -19,7 +21,7 @@ from distributed import Dist, from_every_rank
 
 @dataclass
 class Rollout:
-    """One response to one prompt, and what the objectives write on it."""
+    """One response to one prompt: what every objective reads, and a slot for what one writes."""
     row: dict
     prompt_ids: list
     response_ids: list
@@ -30,30 +32,39 @@ class Rollout:
     feedback: str = ""
     reward_error: str = ""
     policy_version: int = 0  # the weights that generated it: their number of loop steps (updates)
-    # written by prepare:
-    advantage: float = 0.0  # GRPO/GSPO/hybrid
-    teacher_ids: list | None = None  # SDPO/hybrid: teacher prompt + the same response ids
-    sdpo_mask: float = 0.0  # SDPO/hybrid: 1.0 when the sample has a teacher context
-    teacher_context: str = ""  # SDPO/hybrid: "demonstration", "feedback" or "" (none)
-    generated: bool = True  # False: the row's reference response (SFT, SPIN), with no engine log-probs
-    sample_index: int = 0  # DPO: position among its prompt's rollouts
-    preferred_over: list = field(default_factory=list)  # DPO: sample_index of each sibling it is chosen over
-    paired: bool = False  # DPO: in at least one preference pair
-    reference_logprob: float = 0.0  # DPO: response log-prob under the reference (summed; IPO: mean)
-    reference_logprobs: list | None = None  # GAD: per-token log-probs under the frozen initial policy (KL)
-    discriminator_score: float = 0.0  # GAD: D(prompt, response) before this step's discriminator update
-    trains_policy: bool = True  # GAD: in this step's policy loss (its stage decides which rollouts)
-    # written by cache_teacher_hidden on the rank that trains it, consumed by its micro-batch:
-    teacher_hidden: torch.Tensor | None = None  # [R, H'] teacher hidden states at the response tokens
+    generated: bool = True  # False: the row's reference response (SFT, SPIN, GAD's teacher), with no engine log-probs
+    # The objective's own fields (its file's `Fields`: GRPO's advantage, SDPO's teacher context,
+    # DPO's pairs, GAD's scores), written by its prepare (give_fields); None: it writes none (SFT)
+    fields: object = None
 
 
-@dataclass
+def give_fields(rollouts: list, kind: type):
+    """Each rollout's slot (Rollout.fields) made a fresh `kind` unless it is one already (the
+    hybrid's Fields are SDPO's and GRPO's both, so each of their prepares writes into them)."""
+    for r in rollouts:
+        if not isinstance(r.fields, kind):
+            r.fields = kind()
+
+
 class Models:
-    """The policy and the optional models an objective asked for (None when not)."""
-    policy: torch.nn.Module
-    teacher: object = None  # teacher.Teacher: SDPO's EMA / frozen / trust-region / live teacher
-    reference: object = None  # teacher.Reference: DPO's frozen copy of the policy, refreshed every N steps
-    discriminator: object = None  # discriminator.Critic: GAD's discriminator and its optimizer
+    """The policy and the objective's extra models (its row's build_models: SDPO's teacher, the
+    DPO reference, GAD's discriminator), each an attribute under its name (models.teacher).
+
+    An extra model has state_dict() and load_state_dict() (a checkpoint keeps it under its name;
+    a state_dict() of None: nothing to keep) and networks() (its torch modules)."""
+
+    def __init__(self, policy: torch.nn.Module, **extra):
+        self.policy = policy
+        vars(self).update({name: model for name, model in extra.items() if model is not None})
+
+    @property
+    def extra(self) -> dict:
+        """The extra models by name."""
+        return {name: model for name, model in vars(self).items() if name != "policy"}
+
+    def networks(self) -> list:
+        """Every torch module the models hold: the policy's and the extra models'."""
+        return [self.policy, *(network for model in self.extra.values() for network in model.networks())]
 
 
 @dataclass
@@ -237,3 +248,53 @@ def aggregate(mb: MicroBatch, per_token_loss: torch.Tensor, mask: torch.Tensor, 
     mode = default_mode if cfg.algo.loss_agg_mode == "auto" else cfg.algo.loss_agg_mode
     return losses.aggregate(per_token_loss, mask, mode, global_tokens=mb.counts["tokens"],
                             global_sequences=mb.counts["sequences"], max_len=mb.counts["max_len"])
+
+
+# ----------------------------------------------------------------------------------------
+# An objective: a row of objectives.OBJECTIVES, the functions the loop calls at fixed points
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What the loop (run.py, update.py) calls, never naming an algorithm or its models
+    (docs/changing.md). Hooks take the rollouts, the Models, the Config, the pad id and the Dist."""
+    loss: Callable  # (micro-batch, models, cfg) -> (loss, {metric: (sum, count)})
+    # rank 0, after scoring: writes each rollout's fields (give_fields) -> metrics
+    prepare: Callable = lambda rollouts, tokenizer, cfg: {}
+    # every rank, on the shared rollouts, before the update (old log-probs are the loop's): DPO's
+    # reference log-probs, GAD's discriminator step -> metrics
+    before_update: Callable = lambda rollouts, models, cfg, pad_id, d: {}
+    counted: Callable = lambda rollout: True  # counts in the loss's normalisation
+    # whether its loss can have a gradient: an optimizer step with none is skipped before any forward
+    moves: Callable = lambda rollout: True
+    counts: Callable = lambda rollouts: {}  # more global counts of an optimizer step
+    counted_only: bool = False  # True: uncounted rollouts are left out of the micro-batches
+    keep_prompts_together: bool = False  # True: a prompt's samples always share a micro-batch
+    row_fields: tuple = ()  # fields every training row must have
+    references: bool = False  # train on the rows' references instead of generating
+    # Its extra models, by the name a checkpoint keeps each under (Models):
+    # (cfg, initial: () -> a copy of the initial policy, model_dir, d) -> {name: model}
+    build_models: Callable = lambda cfg, initial, model_dir, d: {}
+    # every rank, after the old log-probs, before the first gradient pass, on the rollouts this
+    # rank trains: its models' forwards kept for the micro-batches (SDPO's EMA teacher) ->
+    # {model name: seconds}, logged as time/<name>_s
+    before_gradients: Callable = lambda rollouts, models, cfg, pad_id, d: {}
+    # whether before_gradients runs forwards: on a CPU, generating ahead, the engine starts the
+    # next batch after them (docs/async.md)
+    forwards_first: Callable = lambda models: False
+    idle_forwards: Callable = lambda models, cfg, pad_id, d: None  # a rank's empty micro-batch: its models' collectives
+    # after the update's optimizer steps (stepped: whether any was taken): the EMA teacher's move,
+    # the reference's refresh -> metrics
+    after_update: Callable = lambda models, stepped, steps_done: {}
+    # the extra models build_models makes for cfg, known before any loads: {name: "copy" (the
+    # policy's weights again) or "discriminator" (a network of its own, with AdamW)}: what
+    # plan.py counts in memory and check_out_dir on disk
+    held: Callable = lambda cfg: {}
+
+
+def without_truncated(objective: Objective) -> Objective:
+    """The objective with its truncated samples left out of every loss and of the optimizer
+    steps' counts (--train.mask_truncated): they are not counted, so not in any micro-batch.
+    What prepare wrote from the whole batch (GRPO's advantages, SDPO's demonstrations) stays."""
+    return dataclasses.replace(objective, counted=lambda r: objective.counted(r) and not r.truncated,
+                               counted_only=True)

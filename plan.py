@@ -39,19 +39,24 @@ vLLM refuses a KV cache of fewer than --rollout.max_model_len tokens.
 
 A sync moves eP bytes from trainer rank 0 to the engine at every step.
 """
+from __future__ import annotations
+
 import glob
 import json
 import math
 import os
 import struct
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 import objectives
 import sync
-from config import Config
 from errors import FlagError
+
+if TYPE_CHECKING:
+    from config import Config
 
 TRAINER_SHARE = 0.9  # the part of a trainer's GPU, or of a CPU machine's memory, the plan fills at most
 GB = 1e9
@@ -168,9 +173,8 @@ def longest_sequence(cfg: Config) -> int:
 def trainer_bytes(cfg: Config, m: ModelShape, node: Node, discriminator: ModelShape | None = None) -> dict:
     """A trainer rank's bytes by part (docstring)."""
     W, P = node.ranks, m.params
-    models = objectives.OBJECTIVES[cfg.algo.name].models
-    copies = [name for name, held in (("teacher", "teacher" in models and cfg.sdpo.teacher != "live"),
-                                      ("reference", "reference" in models and not cfg.dpo.reference_free)) if held]
+    held = objectives.OBJECTIVES[cfg.algo.name].held(cfg)  # the objective's extra models
+    copies = [name for name, kind in held.items() if kind == "copy"]
     if node.ranks > 1:
         working = (2 if node.gpus else 4) * (m.root + 2 * m.layer) + 4 * m.root
     else:
@@ -323,7 +327,7 @@ def report_plan(cfg: Config) -> Plan:
     cannot fit, a FlagError (exit status 2) that says what to change."""
     import dataclasses
     m, discriminator = read_model(cfg), None
-    if "discriminator" in objectives.OBJECTIVES[cfg.algo.name].models:  # GAD's: its backbone's, or the student's
+    if "discriminator" in objectives.OBJECTIVES[cfg.algo.name].held(cfg):  # GAD's: its backbone's, or the student's
         discriminator = read_model(dataclasses.replace(cfg, model=dataclasses.replace(
             cfg.model, path=cfg.gad.disc_path))) if cfg.gad.disc_path else m
     result = plan(cfg, m, this_node(), discriminator)

@@ -2,19 +2,22 @@
 
 The Trainer holds the policy, the optional models an objective asks for, AdamW and its schedule;
 the distributed setup they run under (torchrun: gloo on CPU, NCCL on GPUs) is distributed.py's."""
+from __future__ import annotations
+
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-import discriminator
 import image_prompts
 import packing
-from config import Config
 from distributed import Dist, local_tensor
 from microbatch import Models
-from teacher import Reference, Teacher
+
+if TYPE_CHECKING:
+    from config import Config
 
 
 class CausalLM(torch.nn.Module):
@@ -260,24 +263,15 @@ class Trainer:
 
 
 def build_trainer(cfg: Config, objective, model_dir: str, d: Dist) -> Trainer:
-    """Policy (FSDP2-sharded when world > 1), AdamW with linear warmup, and the optional
-    models the objective asks for."""
+    """Policy (FSDP2-sharded when world > 1), AdamW with linear warmup, and the objective's
+    extra models (its row's build_models, given a copy of the initial policy to start from)."""
     policy = load_policy(model_dir, cfg, d.world, d.device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr,
                                   betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
                                   weight_decay=cfg.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
-    models = Models(policy)
     initial = lambda: copy_policy(policy, model_dir, cfg, d.world, d.device)  # before any update: the initial weights
-    if "teacher" in objective.models:
-        models.teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate,
-                                 initial() if cfg.sdpo.teacher != "live" else None)
-    if "reference" in objective.models and not cfg.dpo.reference_free:
-        models.reference = Reference(initial(), cfg.dpo.ref_update_every)
-    if "discriminator" in objective.models:
-        o, g = cfg.optim, cfg.gad
-        network = discriminator.load(g.disc_path or model_dir, cfg.train.seed, d.world, d.device, g.pool)
-        models.discriminator = discriminator.Critic(network, g.lr, o.weight_decay, g.grad_clip, (o.beta1, o.beta2))
+    models = Models(policy, **objective.build_models(cfg, initial, model_dir, d))
     return Trainer(models, optimizer, scheduler)
 
 

@@ -159,6 +159,14 @@ def cpu_split(cfg: Config) -> tuple[list[int], int, int]:
     return cores[:engine], beside, alone
 
 
+def generation_waits(cfg: Config, device, runs_forwards: bool) -> bool:
+    """Whether, generating ahead on a CPU, the next batch starts only once the forwards the
+    objective's models run before the update's gradient passes are done (runs_forwards: an EMA
+    teacher's): the engine generates on cores those forwards would use, and they gain the most
+    from them (docs/async.md)."""
+    return cfg.train.off_policy_steps > 0 and device.type == "cpu" and runs_forwards
+
+
 def share_cores(cfg: Config, engine, models):
     """--train.off_policy_steps 1 on CPU: before each forward of the trainer's models, its
     threads are cpu_split's `beside` while the engine generates the next batch, and `alone`
@@ -174,9 +182,7 @@ def share_cores(cfg: Config, engine, models):
         want = beside if engine.generating_ahead() else alone
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
-    held = [models.policy, models.teacher and models.teacher.copy, models.reference and models.reference.model,
-            models.discriminator and models.discriminator.model]
-    for module in held:
+    for module in models.networks():  # the policy and the objective's models
         if isinstance(module, torch.nn.Module):
             module.register_forward_pre_hook(switch)
 

@@ -6,6 +6,8 @@ Every weight sync is proven by a probe the engine and the trainer both score (do
 Image prompts are token ids with one image token per picture; a Sample's prompt_ids are the
 engine's expanded ids (image_prompts.ImagePrompts).
 """
+from __future__ import annotations
+
 import contextlib
 import json
 import os
@@ -16,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,10 +28,12 @@ import served
 import sync
 from distributed import Dist, rank0_call
 from microbatch import Rollout
-from config import Config
 from logger import status
 from processes import (TORCHRUN_VARS, alive, cpu_split, descendants, engine_env, engine_in_own_process, patched_env,
                        quiet_vllm_logging, reap_directory, supervise, use_plugins)
+
+if TYPE_CHECKING:
+    from config import Config
 
 MAX_IMAGES_PER_PROMPT = 4
 KV_HEADROOM_TOKENS = 256  # two of vLLM's CPU KV blocks

@@ -5,7 +5,7 @@
     python run.py --model.path /models/Qwen3-8B --data.task /data/train.parquet \
         --data.fields prompt=question,answer=solution --data.reward math --rollout.placement separate
 
-Every knob is a flag (`python run.py --help`, config.py). The loop in `train` reads top to
+Every knob is a flag (`python run.py --help`, config.py, flags.py). The loop in `train` reads top to
 bottom as the algorithm (docs/loop.md); the mechanics live next door (README, Files).
 """
 import contextlib
@@ -24,17 +24,17 @@ import objectives
 import tasks
 from checkpoint import (check_out_dir, checkpoint_path, drop_empty_run_dirs, load_checkpoint, run_dir, save_checkpoint,
                         save_hf)
-from config import Config, debugging, describe, parse_config
+from flags import Config, debugging, describe, parse_config
 from data import batch_rows, read_rows, stream_seed
 from evaluate import baseline_evaluation, evaluate, evaluate_only, evaluate_start, evaluation_due, success_rate
 from logger import Logger, step_time
 from distributed import Dist, end_distributed, process_group, rank0_call, setup_distributed
 from plan import report_plan
 from policy import Trainer, build_trainer, load_tokenizer, pad_token_id
-from processes import check_devices, share_cores
+from processes import check_devices, generation_waits, share_cores
 from rollout import generate_and_score, start_engine
 from sync import sync_engine
-from update import update_policy
+from update import prepare_update, take_steps, update_policy  # noqa: F401 (update_policy: the tests')
 from warm_start import (gad_teacher_config, sft_rollouts, target_reached, teacher_data, tiny_model_dir,
                         warm_start_checks, warm_start_config, warm_start_estimates)
 
@@ -83,10 +83,11 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
             t_step = time.perf_counter()
             # 1-4. sample prompts; generate, score, write what the objective needs (advantages, teacher
             # contexts). With --train.off_policy_steps 1 this batch was generated during the last
-            # update, and the engine starts on the next one now (on a CPU with an SDPO teacher:
-            # once the teacher's forward is done, Batches.generate_next)
+            # update, and the engine starts on the next one now (on a CPU, when the objective's own
+            # models run forwards before the update's gradient passes: once those are done, in learn)
             rollouts, metrics = batches.take(step)
-            # 5-7. update the policy (mini-batches of micro-batches), the teacher; sync the engine, with proof
+            # 5-7. update the policy (mini-batches of micro-batches), the objective's models; sync the
+            # engine, with proof
             learned = learn(cfg, objective, trainer, engine, tokenizer, rollouts, step, d, batches.generate_next)
             metrics["time/wait_rollout_s"] += learned.pop("time/wait_rollout_s", 0.0)  # generating ahead: at the sync
             metrics.update(learned)
@@ -145,21 +146,20 @@ class Batches:
         # background job), or ignored on the other ranks; None: nothing ahead
         self.ahead = ahead
         self.next_step = None  # the step whose batch generate_next starts; None: started, or none
-        # On a CPU the engine generates on cores the teacher's forward would use, and that
-        # forward gains the most from them: it runs first, then the generation (docs/async.md)
-        self.after_teacher = (self.generates_ahead and d.device.type == "cpu" and models is not None
-                              and models.teacher is not None and not models.teacher.reads_policy)
+        # the objective's models' forwards before the update (an EMA teacher's) first, on a CPU
+        self.after_forwards = (self.generates_ahead and models is not None
+                               and generation_waits(cfg, d.device, objective.forwards_first(models)))
 
     def take(self, step: int):
         """Batch `step` (rollouts on every rank, and its metrics); starts the next one ahead,
-        unless that waits for the teacher's forward (after_teacher)."""
+        unless that waits for the objective's forwards (after_forwards)."""
         t0 = time.perf_counter()
         if self.ahead is None:
             rollouts, metrics = self.collect(step, self.d)
         else:
             rollouts, metrics = rank0_call(self.d, self.ahead)
         self.ahead, self.next_step = None, step + 1
-        if not self.after_teacher:
+        if not self.after_forwards:
             self.generate_next()
         metrics["time/wait_rollout_s"] = time.perf_counter() - t0
         generated = [r for r in rollouts if r.generated]  # a reference answer (SFT, SPIN) has no weights to be stale
@@ -169,7 +169,7 @@ class Batches:
 
     def generate_next(self):
         """Start generating the batch after the one taken last, once, when this run generates
-        ahead (called by take, or by the update once the teacher's forward is done). A batch
+        ahead (called by take, or by learn once the objective's forwards are done). A batch
         never started is generated when it is taken."""
         step, self.next_step = self.next_step, None
         if self.generates_ahead and step is not None and step < self.cfg.train.steps:
@@ -224,19 +224,19 @@ def prepare_rollouts(engine, tokenizer, rows, cfg: Config, objective, step: int)
 
 
 def learn(cfg: Config, objective, trainer: Trainer, engine, tokenizer, rollouts: list, step: int, d: Dist,
-          teacher_done=None) -> dict:
-    """Update the policy on the rollouts, update the teacher, sync the engine's weights (the
-    weights of step + 1 updates; the engine first finishes a batch it generates ahead).
-    teacher_done: called once the teacher's forward is done (update_policy)."""
-    t0 = time.perf_counter()
-    metrics, stepped = update_policy(cfg, objective, trainer, rollouts, step, pad_token_id(tokenizer), d, teacher_done)
-    # the policy's own forward and backward: the teacher's and the reference's forwards are timed apart
-    metrics["time/train_s"] = (time.perf_counter() - t0 - metrics["time/teacher_s"]
-                               - metrics.get("time/reference_s", 0.0))
-    if trainer.models.teacher is not None:  # EMA only after a real optimizer step
-        trainer.models.teacher.update(trainer.models.policy, stepped)
-    if trainer.models.reference is not None:
-        metrics["reference/refreshed"] = float(trainer.models.reference.refresh(trainer.models.policy, step + 1))
+          generate_next=None) -> dict:
+    """Update the policy on the rollouts, then the objective's models (an EMA teacher's move, a
+    reference's refresh), sync the engine's weights (the weights of step + 1 updates; the engine
+    first finishes a batch it generates ahead). generate_next: called once the objective's own
+    forwards before the gradient passes are done (Batches.generate_next)."""
+    t0, pad_id = time.perf_counter(), pad_token_id(tokenizer)
+    prepared = prepare_update(cfg, objective, trainer, rollouts, step, pad_id, d)
+    if generate_next is not None:
+        generate_next()
+    metrics, stepped = take_steps(cfg, prepared, trainer, rollouts, step, pad_id, d)
+    # the policy's own forward and backward: the objective's models' forwards are timed apart
+    metrics["time/train_s"] = time.perf_counter() - t0 - sum(v for k, v in metrics.items() if k.startswith("time/"))
+    metrics.update(objective.after_update(trainer.models, stepped, step + 1))
     if not objective.references:  # not `engine is not None`: only rank 0 holds the engine, all ranks sync
         metrics.update(sync_engine(cfg, engine, trainer.models.policy, tokenizer, d, version=step + 1))
     return metrics

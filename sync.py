@@ -323,7 +323,7 @@ def image_probe(tokenizer) -> tuple[list[int], list]:
     """The probe of a vision-language model: a fixed picture, a question about it and an
     answer (ids with one image token), and the picture. A sync that missed the vision tower
     changes these log-probs."""
-    from tasks.shapes import draw_shapes
+    from image_prompts import draw_shapes
     picture = draw_shapes([{"kind": "circle", "colour": "red", "cell": 0, "scale": 0.6, "dx": 0.0, "dy": 0.0},
                            {"kind": "square", "colour": "blue", "cell": 3, "scale": 0.5, "dx": 0.1, "dy": 0.0}],
                           size=112, grid=2)

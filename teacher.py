@@ -50,12 +50,16 @@ class Teacher:
         trust-region): those must be computed for each micro-batch, not once per update."""
         return self.kind in ("live", "trust-region")
 
-    def state_dict(self) -> dict:
-        return self.copy.state_dict()
+    def state_dict(self) -> dict | None:
+        """The copy's weights; None for the live teacher, which has none (a checkpoint keeps nothing)."""
+        return None if self.copy is None else self.copy.state_dict()
 
     def load_state_dict(self, state: dict):
         self.copy.load_state_dict(state)
         self._head = None  # gathered again from the restored weights
+
+    def networks(self) -> list:
+        return [] if self.copy is None else [self.copy]
 
     def head_weight_source(self):
         """The copy's LM-head weight, whole (every rank calls this at the same point)."""
@@ -134,6 +138,9 @@ class Reference:
 
     def load_state_dict(self, state: dict):
         self.model.load_state_dict(state)
+
+    def networks(self) -> list:
+        return [self.model]
 
 
 def _hidden_only(hidden, weight):

@@ -13,11 +13,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
+from config import TinyModelConfig
 from image_prompts import VISION_TOKENS
 from tasks import TASKS, TaskConfig, task_rows
 from tasks.strops import OPS
 
-# The tiny model's recipe (config.recipe_flags): its flag values on a task without a recipe of its
+# The tiny model's recipe (flags.recipe_flags): its flag values on a task without a recipe of its
 # own, and under every task's own. Its parameters take far larger steps than a pretrained model's:
 # a pretrained model's rate would barely move it (docs/results.md). Its warm start
 # (--train.warm_start_*) shows it feedback contexts, so its teacher reads feedback, unlike a weak
@@ -73,17 +74,6 @@ def _code_digest(path: str, mtime_ns: int, size: int) -> bytes:
                 node.body = body[1:] or [ast.Pass()]
         text = ast.dump(tree).encode()
     return hashlib.sha1(text).digest()
-
-
-@dataclass
-class TinyModelConfig:
-    seed: int = 0
-    vocab_size: int = 1024
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 2  # head_dim 64: vLLM's CPU attention rejects smaller heads
-    intermediate_size: int = 512
-    max_position_embeddings: int = 2048
 
 
 def _tokenizer_corpus(seed: int) -> list[str]:

@@ -1,34 +1,60 @@
 """One rollout batch's update: --train.mini_batches optimizer steps, each accumulating this
 rank's micro-batches, every loss normalised by the optimizer step's global counts (all
 micro-batches, all ranks), so that the gradient does not depend on micro-batching or the
-number of ranks. The objective (objectives.OBJECTIVES) supplies the loss; nothing here names
-an algorithm."""
+number of ranks. The objective (a row of objectives.OBJECTIVES) supplies the loss and the
+hooks around it; nothing here names an algorithm or its models."""
+from __future__ import annotations
+
 import math
 import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 import microbatch
-import objectives
-from config import Config
 from data import stream_seed
 from distributed import Dist, from_every_rank, full_tensor
-from microbatch import Models
-from policy import CausalLM, Trainer
+from microbatch import Models, Objective, without_truncated
+from policy import CausalLM
+
+if TYPE_CHECKING:
+    from config import Config
+    from policy import Trainer
 
 
-def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step: int, pad_id: int, d: Dist,
-                  teacher_done=None):
-    """Returns (metrics, whether any optimizer step was taken). teacher_done() is called once the
-    teacher's hidden states are computed, before the first gradient pass.
+@dataclass
+class Prepared:
+    """An update up to its first gradient pass (prepare_update)."""
+    objective: Objective  # the row, less its truncated samples with --train.mask_truncated
+    # each optimizer step's global counts and this rank's micro-batches (None: nothing to learn)
+    plan: list
+    old_logprobs: list | None  # before the update (before_update_logprobs)
+    metrics: dict  # the objective's before_update's
+    seconds: dict  # {model name: seconds} of the objective's forwards before the gradient passes
 
-    An optimizer step with nothing to learn from is skipped (docs/loop.md, One step): no counted
-    token, no rollout whose loss can have a gradient (objective.moves), or a zero gradient."""
+
+def update_policy(cfg: Config, objective: Objective, trainer: Trainer, rollouts: list, step: int, pad_id: int,
+                  d: Dist):
+    """Returns (metrics, whether any optimizer step was taken): prepare_update, then take_steps
+    (run.learn starts the next generation between the two)."""
+    prepared = prepare_update(cfg, objective, trainer, rollouts, step, pad_id, d)
+    return take_steps(cfg, prepared, trainer, rollouts, step, pad_id, d)
+
+
+def prepare_update(cfg: Config, objective: Objective, trainer: Trainer, rollouts: list, step: int, pad_id: int,
+                   d: Dist) -> Prepared:
+    """Everything before the first gradient pass: the objective's before_update, the plan of
+    optimizer steps, the old log-probs, and the objective's forwards kept for this rank's
+    micro-batches (its before_gradients: an EMA teacher's hidden states).
+
+    An optimizer step with nothing to learn from is planned as None (docs/loop.md, One step): no
+    counted token, or no rollout whose loss can have a gradient (objective.moves)."""
     models = trainer.models
     models.policy.train()
     if cfg.train.mask_truncated:
-        objective = objectives.without_truncated(objective)
+        objective = without_truncated(objective)
     before = objective.before_update(rollouts, models, cfg, pad_id, d)
     units = mini_batch_units(rollouts, objective, cfg.train.shuffle_samples)
     random.Random(stream_seed("shuffle", cfg.train.seed, step)).shuffle(units)
@@ -41,19 +67,22 @@ def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step
             for counts in [step_counts([rollouts[i] for unit in mini_batch for i in unit], objective)]]
     learning = any(micro for _, micro in plan)  # the same on every rank: all skip the old log-probs' forwards
     old_logprobs = before_update_logprobs(cfg, models.policy, rollouts, units, pad_id, d) if learning else None
-    teacher_seconds = 0.0
-    if models.teacher is not None:
-        mine = sorted(i for _, micro in plan if micro for part in micro for i in part)
-        teacher_seconds = objectives.cache_teacher_hidden(cfg, models, [rollouts[i] for i in mine], pad_id, d)
-    if teacher_done is not None:
-        teacher_done()
+    mine = sorted(i for _, micro in plan if micro for part in micro for i in part)
+    seconds = objective.before_gradients([rollouts[i] for i in mine], models, cfg, pad_id, d)
+    return Prepared(objective, plan, old_logprobs, before, seconds)
+
+
+def take_steps(cfg: Config, prepared: Prepared, trainer: Trainer, rollouts: list, step: int, pad_id: int, d: Dist):
+    """The update's optimizer steps. Returns (metrics, whether any optimizer step was taken).
+    A planned step with nothing to learn from, or an exactly zero gradient, is skipped."""
+    models, objective = trainer.models, prepared.objective
     stats, seconds, step_losses, grad_norms, skipped, stepped = {}, {}, [], [], 0, False
-    for counts, micro in plan:
+    for counts, micro in prepared.plan:
         if micro is None:  # every rank sees the same rollouts, so all skip together
             skipped += 1
             continue
-        loss, finite = accumulate_gradients(cfg, objective, models, rollouts, micro, old_logprobs, counts, pad_id,
-                                            d, stats, seconds)
+        loss, finite = accumulate_gradients(cfg, objective, models, rollouts, micro, prepared.old_logprobs, counts,
+                                            pad_id, d, stats, seconds)
         step_losses.append(loss)
         grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(models.policy.parameters(), cfg.optim.grad_clip)))
         grad_norms.append(grad_norm)
@@ -70,10 +99,12 @@ def update_policy(cfg: Config, objective, trainer: Trainer, rollouts: list, step
             trainer.scheduler.step()
             stepped, trainer.nonfinite_streak = True, 0
         trainer.optimizer.zero_grad(set_to_none=True)
-    metrics = {**before, **reduce_stats(stats, step_losses, d.world)}
+    metrics = {**prepared.metrics, **reduce_stats(stats, step_losses, d.world)}
     metrics.update({"actor/grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "actor/skipped_steps": skipped,
-                    "actor/lr": trainer.scheduler.get_last_lr()[0],
-                    "time/teacher_s": teacher_seconds + seconds.get("teacher", (0.0,))[0]})
+                    "actor/lr": trainer.scheduler.get_last_lr()[0]})
+    for name, (total, _) in seconds.items():  # an objective's models' forwards within the micro-batches
+        prepared.seconds[name] = prepared.seconds.get(name, 0.0) + total
+    metrics.update({f"time/{name}_s": total for name, total in prepared.seconds.items()})
     return metrics, stepped
 
 
@@ -109,7 +140,7 @@ def accumulate_gradients(cfg: Config, objective, models: Models, rollouts: list,
             add_stats(stats, mb_stats)
             add_stats(seconds, mb.seconds)
         else:  # this rank has fewer rollouts: take part in the collectives with a zero loss
-            loss = idle_loss(cfg, models, pad_id, d)
+            loss = idle_loss(cfg, objective, models, pad_id, d)
         finite &= bool(torch.isfinite(loss).item())
         (loss * d.world).backward()  # FSDP2 averages gradients over ranks; the counts are global
         total += loss.item()
@@ -135,11 +166,10 @@ def rank_micro_batches(units: list, micro_batch: int, d: Dist, lengths: list,
     return per_rank[d.rank] + [[]] * (max(max(len(m) for m in per_rank), 1) - len(per_rank[d.rank]))
 
 
-def idle_loss(cfg: Config, models: Models, pad_id: int, d: Dist):
-    """A zero loss with a forward through the policy (FSDP2's collectives) and, when there is
-    a teacher, through its forwards (collectives too)."""
-    if models.teacher is not None and models.teacher.reads_policy:
-        objectives.teacher_hidden_states(cfg, models, [], pad_id, d.device, d.world)
+def idle_loss(cfg: Config, objective: Objective, models: Models, pad_id: int, d: Dist):
+    """A zero loss with a forward through the policy (FSDP2's collectives) and through the
+    forwards the objective's models run in a micro-batch (collectives too: idle_forwards)."""
+    objective.idle_forwards(models, cfg, pad_id, d)
     return microbatch.idle_forward(models.policy, pad_id, d.device, lambda h, w: (h @ w.T).sum() * 0.0)
 
 
@@ -182,9 +212,10 @@ def pack_units(units: list[list[int]], size: int, lengths: list | None = None, t
 
 
 def step_counts(rollouts: list, objective) -> dict:
-    """Global token / sequence counts of one optimizer step (all micro-batches, all ranks)."""
+    """Global token / sequence counts of one optimizer step (all micro-batches, all ranks); samples:
+    all its rollouts, counted or not."""
     counted = [r for r in rollouts if r.response_ids and objective.counted(r)]
-    return {"tokens": sum(len(r.response_ids) for r in counted), "sequences": len(counted),
+    return {"tokens": sum(len(r.response_ids) for r in counted), "sequences": len(counted), "samples": len(rollouts),
             "max_len": max((len(r.response_ids) for r in rollouts), default=1), **objective.counts(counted)}
 
 

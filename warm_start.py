@@ -5,6 +5,8 @@ prompts SDPO teacher contexts, cached under a hash of what it reads and runs; it
 --train.warm_start_target (reference_success). GAD's self-made teacher is a warm start too,
 whose sampled answers become a data file (teacher_data).
 """
+from __future__ import annotations
+
 import dataclasses
 import hashlib
 import json
@@ -12,24 +14,30 @@ import math
 import os
 import random
 import shutil
+from typing import TYPE_CHECKING
 
 import data
 import microbatch
 import tasks
 import tiny_models
-from config import AlgoConfig, Config, OptimConfig, RolloutConfig, TrainConfig
+from config import OptimConfig, RolloutConfig, TrainConfig
 from data import read_rows, stream_seed
 from evaluate import success_rate
 from sdpo import teacher_context_ids
 from distributed import Dist, rank0_call
 from microbatch import Rollout
 from policy import load_tokenizer, pad_token_id
+from objectives import AlgoConfig
 from rollout import generate_and_score, start_engine
+
+if TYPE_CHECKING:
+    from config import Config
 
 # The code a warm start runs beyond tiny_models.TINY_SOURCES: part of its cache key, so that an edit
 # to a checker, a template, the SFT loss or the loop builds it anew (tiny_models.source_hash).
-WARM_START_SOURCES = ("run.py", "warm_start.py", "config.py", "policy.py", "update.py", "objectives.py", "losses.py",
-                      "chunked_head.py", "sdpo.py", "evaluate.py", *tiny_models.TINY_SOURCES, "feedback/math.py")  # the tasks' checkers
+WARM_START_SOURCES = ("run.py", "warm_start.py", "config.py", "flags.py", "policy.py", "update.py", "microbatch.py",
+                      "objectives/__init__.py", "objectives/sft.py", "losses.py", "chunked_head.py", "sdpo.py",
+                      "evaluate.py", *tiny_models.TINY_SOURCES, "feedback/math.py")  # the tasks' checkers
 
 
 def tiny_model_dir(cfg: Config) -> str:

@@ -50,7 +50,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 
 from learning import run_one, warm_start  # noqa: E402
 from policy import load_policy  # noqa: E402
-from config import recipe_name  # noqa: E402
+from flags import recipe_name  # noqa: E402
 from warm_start import teacher_data  # noqa: E402
 from tasks.manners import is_blend  # noqa: E402  (lines in two or more manners; on the quiz every line is plain)
 

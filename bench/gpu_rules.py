@@ -24,7 +24,7 @@ sys.path.insert(0, ROOT)
 import distributed  # noqa: E402
 import plan  # noqa: E402
 import processes  # noqa: E402
-from config import parse_config  # noqa: E402
+from flags import parse_config  # noqa: E402
 from errors import FlagError  # noqa: E402
 
 

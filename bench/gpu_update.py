@@ -9,13 +9,13 @@ No engine (no vLLM) and no download: a Qwen2-shaped model with random weights is
 to a temporary HF directory (--hidden/--layers/... ; the defaults are Qwen2.5-0.5B's shape),
 and a synthetic rollout batch is built in the structures run.py's loop hands to the update
 (microbatch.Rollout: prompt and response ids, engine log-probs, rewards; GRPO's advantages from
-objectives.prepare_advantages; SDPO's teacher contexts laid out as sdpo.build_teacher_batch lays
+objectives.grpo.prepare_advantages; SDPO's teacher contexts laid out as sdpo.build_teacher_batch lays
 them out: the prompt, the first successful sibling's response as the demonstration, a lone
 success with none, feedback for a failure without one, then the student's response ids). What
 is timed is what a user's step runs: run.build_trainer (policy sharded by shard, one
 fully_shard unit per decoder layer, bf16 params / fp32 reduce; AdamW; for SDPO the EMA teacher
 copy), then run.update_policy (the old log-probs before the first of --mini-batches optimizer
-steps, objectives.cache_teacher_hidden for SDPO, every micro-batch's objective loss and backward,
+steps, objectives.sdpo.cache_teacher_hidden for SDPO, every micro-batch's objective loss and backward,
 grad clipping, AdamW), then the EMA step (timed apart, as run.learn does it).
 
 One GPU: shard leaves the policy unsharded at world size 1 (run.py's single-process path:
@@ -198,24 +198,25 @@ def add_teacher_contexts(args, rollouts: list):
     template = {name: [rng.randrange(args.vocab - 2) for _ in range(n)]
                 for name, n in (("head", 12), ("solution", 8), ("feedback", 14), ("instruction", 14), ("gen", 3))}
     feedback = {}
-    groups = objectives.prompt_groups(rollouts)
+    groups = objectives.dpo.prompt_groups(rollouts)
+    microbatch.give_fields(rollouts, objectives.sdpo.Fields)
     for group in groups:
         successes = [r for r in group if r.reward >= 0.5]
         for r in group:
             demo = next((s for s in successes if s is not r), None)
             if demo is not None:
                 context = template["solution"] + demo.response_ids[:-1]  # the decoded demonstration, no EOS
-                r.teacher_context = "demonstration"
+                r.fields.teacher_context = "demonstration"
             elif r.feedback:
                 key = id(r)
                 feedback[key] = [rng.randrange(args.vocab - 2) for _ in range(rng.randint(*args.feedback_len))]
                 context = template["feedback"] + feedback[key]
-                r.teacher_context = "feedback"
+                r.fields.teacher_context = "feedback"
             else:
-                context, r.teacher_context = None, ""
+                context, r.fields.teacher_context = None, ""
             prompt = r.prompt_ids if context is None else (
                 template["head"] + r.prompt_ids[:-3] + context + template["instruction"] + template["gen"])
-            r.teacher_ids, r.sdpo_mask = list(prompt) + list(r.response_ids), float(context is not None)
+            r.fields.teacher_ids, r.fields.sdpo_mask = list(prompt) + list(r.response_ids), float(context is not None)
 
 
 # ----------------------------------------------------------------------------------------
@@ -262,9 +263,9 @@ def update_flops(shapes: dict, rollouts: list, cfg, algo: str) -> dict:
     if cfg.train.mini_batches > 1:
         out["old_logprobs"] = forward_flops(shapes, trained_seqs, responses, microbatch.share_prompts(cfg))
     if algo == "sdpo":
-        used = [r for r in rollouts if r.sdpo_mask > 0]
-        teacher = [(tuple(r.teacher_ids[:len(r.teacher_ids) - len(r.response_ids)]),
-                    len(r.teacher_ids) - len(r.response_ids), len(r.teacher_ids)) for r in used]
+        used = [r for r in rollouts if r.fields.sdpo_mask > 0]
+        teacher = [(tuple(r.fields.teacher_ids[:len(r.fields.teacher_ids) - len(r.response_ids)]),
+                    len(r.fields.teacher_ids) - len(r.response_ids), len(r.fields.teacher_ids)) for r in used]
         out["teacher"] = forward_flops(shapes, teacher, sum(len(r.response_ids) for r in used),
                                        cfg.sdpo.share_teacher_prefix)
     return out
@@ -322,7 +323,7 @@ def measure(args, algo: str, model_dir: str, d: Dist, shapes: dict, pad_id: int)
     if algo == "sdpo":
         add_teacher_contexts(args, rollouts)
     else:
-        objectives.prepare_advantages(rollouts, None, cfg)
+        objectives.grpo.prepare_advantages(rollouts, None, cfg)
     trainer = run.build_trainer(cfg, objective, model_dir, d)
     if d.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -333,15 +334,14 @@ def measure(args, algo: str, model_dir: str, d: Dist, shapes: dict, pad_id: int)
     for step in range(args.repeats + 1):
         old_s, teacher_s = [], []
         with timed_calls(update, "before_update_logprobs", old_s, d.device), \
-                timed_calls(objectives, "cache_teacher_hidden", teacher_s, d.device):
+                timed_calls(objectives.sdpo, "cache_teacher_hidden", teacher_s, d.device):
             sync(d.device)
             t0 = time.perf_counter()
             metrics, stepped = run.update_policy(cfg, objective, trainer, rollouts, step, pad_id, d)
             sync(d.device)
             seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
-        if trainer.models.teacher is not None:
-            trainer.models.teacher.update(trainer.models.policy, stepped)
+        objective.after_update(trainer.models, stepped, step + 1)  # SDPO: the EMA step
         sync(d.device)
         runs.append({"update_s": seconds, "old_logprobs_s": sum(old_s), "teacher_s": sum(teacher_s),
                      "ema_s": time.perf_counter() - t0, "stepped": stepped, "loss": metrics["actor/loss"],
@@ -365,8 +365,8 @@ def measure(args, algo: str, model_dir: str, d: Dist, shapes: dict, pad_id: int)
         "train_pass_mfu": flops["train"] / train_s / peak,
         "old_logprobs_mfu": flops.get("old_logprobs", 0.0) / med["old_logprobs_s"] / peak if med["old_logprobs_s"] else None,
         "teacher_mfu": flops.get("teacher", 0.0) / med["teacher_s"] / peak if med["teacher_s"] else None,
-        "teacher_coverage": sum(r.sdpo_mask for r in rollouts) / len(rollouts) if algo == "sdpo" else None,
-        "teacher_tokens": sum(len(r.teacher_ids) for r in rollouts if r.sdpo_mask) if algo == "sdpo" else None,
+        "teacher_coverage": sum(r.fields.sdpo_mask for r in rollouts) / len(rollouts) if algo == "sdpo" else None,
+        "teacher_tokens": sum(len(r.fields.teacher_ids) for r in rollouts if r.fields.sdpo_mask) if algo == "sdpo" else None,
     }
     if d.device.type == "cuda":
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated(d.device) / 2**30

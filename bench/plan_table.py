@@ -35,7 +35,7 @@ BEGIN, END = "<!-- plan table: bench/plan_table.py -->", "<!-- end of the plan t
 
 def planned(model, config, gpus, nodes, per_node, flags):
     import plan
-    from config import parse_config
+    from flags import parse_config
     cfg = parse_config(["--recipe=pretrained", "--model.path=", *flags])
     node = plan.Node(gpus=gpus, gpu_bytes=80 * 10 ** 9, host_bytes=2 * 10 ** 12, ranks=nodes * per_node,
                      local_ranks=per_node, gpu_name="GPU")

@@ -18,8 +18,14 @@ EMA 0.05; extra run.py flags, e.g. `--optim.lr=3e-6`, are passed through to ever
     hybrid     --algo=hybrid --algo.lam=0.9   (A = 0.9 A_grpo + 0.1 A_sdpo)
     sdpo_token_masked  sdpo_demo, --sdpo.distill=token --train.mask_truncated=True
     hybrid_routed      hybrid, --sdpo.distill_successes=False (the teacher only on failed samples)
+    sdpo_seq_mean      sdpo_demo, --sdpo.loss_agg=seq_mean_token_mean (the reference implementations'
+                       aggregation: the mean over all samples of each one's token mean)
+    trl_sdpo           the reference: TRL's SDPOTrainer (bench/trl_sdpo.py; needs `pip install
+                       trl==1.16.0`) at the same layout, rate and temperature, SDPO with
+                       demonstrations, its final model evaluated by `run.py --eval_only` on the
+                       same rows and paired with the shared step-0 evaluation
 
-(the last two: the forms the diagnostics pointed to, bench/results/real_model.md)
+(sdpo_token_masked, hybrid_routed: the forms the diagnostics pointed to, bench/results/real_model.md)
 
 each `--steps` steps of `--prompts` prompts x `--n` samples at `--temperature`, with the
 held-out success (avg@`--eval_k` at T=0.6, the same rows and sampling seed before and after)
@@ -89,6 +95,9 @@ ALGOS = {
     "sdpo_token_masked": ["--algo=sdpo", "--sdpo.include_environment_feedback=False", "--sdpo.distill=token",
                           "--train.mask_truncated=True"],
     "hybrid_routed": ["--algo=hybrid", "--algo.lam=0.9", "--sdpo.distill_successes=False"],
+    "sdpo_seq_mean": ["--algo=sdpo", "--sdpo.include_environment_feedback=False",
+                      "--sdpo.loss_agg=seq_mean_token_mean"],
+    "trl_sdpo": [],  # not a run.py objective: trl_result
 }
 SPLIT = ("time/rollout_s", "time/teacher_s", "time/train_s", "sync/seconds", "time/step_s")
 TEACHER_GAP = "sdpo/teacher_minus_student_entropy"  # SDPO's early warning (logger.FLAT_TEACHER_METRIC)
@@ -155,15 +164,21 @@ def mean(records: list[dict], key: str) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def teacher_gap_result(common: list[str], rows: int, out: str) -> str:
-    """Success bare / with a demonstration / with feedback, and the entropies (evaluate.context_entropies)."""
-    records, seconds, peak = run_monitored(common + ["--eval_only=True", "--teacher_gap=True",
-                                                     f"--data.eval_rows={rows}"],
-                                           os.path.join(out, "teacher_gap"))
-    gap = records[-1]
-    print(f"teacher gap ({seconds:.0f}s, peak {peak:.2f} GB): "
-          + ", ".join(f"{k.removeprefix('eval/')}={v:.3f}" for k, v in gap.items() if k.startswith("eval/")),
-          flush=True)
+def teacher_gap_metrics(common: list[str], rows: int, run_dir: str, reuse: bool = False) -> dict:
+    """`--eval_only --teacher_gap` on the first `rows` held-out rows (evaluate.teacher_gap and
+    context_entropies): success bare / with a demonstration / with feedback, the entropies, and the
+    teacher's right-minus-wrong signal. reuse: read an earlier result in run_dir if there is one."""
+    if not (reuse and os.path.exists(os.path.join(run_dir, "metrics.jsonl"))):
+        _, seconds, peak = run_monitored(common + ["--eval_only=True", "--teacher_gap=True", f"--data.eval_rows={rows}"],
+                                         run_dir)
+        print(f"teacher gap ({seconds:.0f}s, peak {peak:.2f} GB)", flush=True)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f][-1]
+
+
+def teacher_gap_result(common: list[str], rows: int, out: str, reuse: bool = False) -> str:
+    """Success bare / with a demonstration / with feedback, the entropies and right minus wrong."""
+    gap = teacher_gap_metrics(common, rows, os.path.join(out, "teacher_gap"), reuse)
     value = lambda key: gap.get(f"eval/{key}", float("nan"))
     return (f"RESULT teacher_gap rows={rows} bare={value('success_rate'):.3f} "
             f"demonstration={value('success_rate_with_demonstration'):.3f} "
@@ -173,6 +188,8 @@ def teacher_gap_result(common: list[str], rows: int, out: str) -> str:
             f"entropy_teacher_feedback={value('entropy_teacher_feedback'):.3f} "
             f"(student_on_same={value('entropy_student_on_feedback'):.3f}) "
             f"teacher_minus_student_entropy={value('teacher_minus_student_entropy'):.3f} "
+            f"right_minus_wrong={value('teacher_gap_right_minus_wrong'):+.3f} "
+            f"right_minus_wrong_se={value('teacher_gap_right_minus_wrong_stderr'):.3f} "
             f"truncated={value('truncated_frac'):.3f}")
 
 
@@ -239,6 +256,71 @@ def algo_result(algo: str, seed: int, common: list[str], steps_n: int, out: str,
     return res
 
 
+def step0_rows(run_dir: str) -> list:
+    """Each held-out row's success at a run's step-0 evaluation (its eval_rows.jsonl)."""
+    with open(os.path.join(run_dir, "eval_rows.jsonl")) as f:
+        return next(r for r in map(json.loads, f) if r["step"] == 0)["success"]
+
+
+def evaluate_start(common: list[str], out: str) -> str:
+    """The start's held-out evaluation (`run.py --eval_only`) in <out>/start, once: the baseline
+    of runs that do not evaluate their own start (trl_sdpo first)."""
+    run_dir = os.path.join(out, "start")
+    if not os.path.exists(os.path.join(run_dir, "eval_rows.jsonl")):
+        run_monitored(common + ["--eval_only=True"], run_dir)
+    return run_dir
+
+
+def trl_result(seed: int, common: list[str], args, files: dict, out: str, baseline: str, reuse: bool) -> dict:
+    """The reference (bench/trl_sdpo.py: TRL's SDPOTrainer, demonstrations, the run.py flags' rate,
+    warm-up, optimizer steps per batch and micro-batch), its final model evaluated by `run.py
+    --eval_only` on the same rows and sampling seed, the gain paired with baseline's step 0."""
+    from config import parse_config
+    name = "trl_sdpo" if seed == 0 else f"trl_sdpo-seed{seed}"
+    run_dir, eval_dir = os.path.join(out, name), os.path.join(out, name, "eval")
+    cfg = parse_config(common + ["--algo=sdpo"])  # the rate, warm-up and layout our SDPO runs take
+    t0, peak = time.time(), 0.0
+    if not (reuse and os.path.exists(os.path.join(eval_dir, "eval_rows.jsonl"))):
+        cmd = [sys.executable, os.path.join(ROOT, "bench", "trl_sdpo.py"), f"--model={cfg.model.path}",
+               f"--train={files['train']}", f"--out={run_dir}", f"--steps={args.steps}", f"--prompts={args.prompts}",
+               f"--n={args.n}", f"--max_tokens={args.max_tokens}", f"--temperature={args.temperature}",
+               f"--lr={cfg.optim.lr}", f"--warmup={cfg.optim.warmup_steps}", f"--mini_batches={cfg.train.mini_batches}",
+               f"--micro_batch={min(cfg.train.micro_batch, args.prompts * args.n // cfg.train.mini_batches)}",
+               f"--seed={seed}"]
+        print(f"[{time.strftime('%H:%M:%S')}] {shlex.join(cmd)}", flush=True)
+        with open(os.path.join(out, f"{name}.log"), "wb") as log:
+            if subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode:
+                raise SystemExit(f"the TRL run failed: see {out}/{name}.log")
+        peak = run_monitored(common + ["--eval_only=True", f"--model.path={run_dir}/final"], eval_dir)[2]
+    with open(os.path.join(eval_dir, "metrics.jsonl")) as f:
+        final = [json.loads(line) for line in f][-1]
+    with open(os.path.join(run_dir, "log_history.jsonl")) as f:
+        steps = [r for r in map(json.loads, f) if "loss" in r]
+    before, after = step0_rows(baseline), step0_rows(eval_dir)
+    gain, gain_se = paired_gain(after, before)
+    nan = float("nan")
+    res = {key: nan for key in ("trunc_first", "len_first", "entropy_first", "entropy_last", "tms_first", "tms_mean",
+                                "eos_gap", *DEMO_GAPS)}
+    with open(os.path.join(baseline, "metrics.jsonl")) as f:
+        start = next(r for r in map(json.loads, f) if "eval/success_rate" in r)
+    res.update({
+        "algo": "trl_sdpo", "seed": seed, "steps": len(steps) // max(cfg.train.mini_batches, 1),
+        "before": sum(before) / len(before), "after": final["eval/success_rate"], "gain": gain, "gain_se": gain_se,
+        "trunc_first": start.get("eval/truncated_frac", nan), "len_first": start.get("eval/response_length", nan),
+        "trunc_last": final.get("eval/truncated_frac", nan), "len_last": final.get("eval/response_length", nan),
+        "train_trunc_first": steps[0].get("completions/clipped_ratio", nan) if steps else nan,
+        "train_trunc_last": steps[-1].get("completions/clipped_ratio", nan) if steps else nan,
+        "train_success": mean(steps, "self_distillation/reward_mean"),
+        "updated_steps": sum(float(r.get("grad_norm", 0)) > 0 for r in steps),
+        "final_rows": after, "warnings": [], "split": {k: nan for k in SPLIT},
+        "other_s": nan, "wall_s": time.time() - t0, "peak_gb": peak})
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: {res['before']:.3f} -> {res['after']:.3f}, gain "
+          f"{100 * gain:+.1f} ± {100 * gain_se:.1f} points, truncated {res['trunc_first']:.3f} -> "
+          f"{res['trunc_last']:.3f}, train success {res['train_success']:.3f}, {res['updated_steps']} optimizer "
+          f"steps with a gradient", flush=True)
+    return res
+
+
 def row(r: dict) -> str:
     name = r["algo"] if r["seed"] == 0 else f"{r['algo']}/s{r['seed']}"
     return (f"{name:>12} {r['before']:6.3f} {r['after']:6.3f} {100 * r['gain']:+6.1f} {100 * r['gain_se']:5.1f} "
@@ -283,14 +365,39 @@ def summary_line(results: list[dict]) -> str:
                                                           for algo, (g, se) in gains_by_algo(results).items()])
 
 
-def minus_grpo(results: list[dict], algo: str) -> list[tuple]:
-    """(seed, algo's final success minus GRPO's, its SE) per seed with both runs, paired on the
-    held-out rows (the runs share their step-0 evaluation and sampling seed)."""
+def minus_grpo(results: list[dict], algo: str, other: str = "grpo") -> list[tuple]:
+    """(seed, algo's final success minus other's (GRPO's), its SE) per seed with both runs, paired
+    on the held-out rows (the runs share their step-0 evaluation and sampling seed)."""
     finals = {(r["algo"], r["seed"]): r["final_rows"] for r in results if r["final_rows"]}
-    return [(seed, *paired_gain(finals[(algo, seed)], finals[("grpo", seed)]))
+    return [(seed, *paired_gain(finals[(algo, seed)], finals[(other, seed)]))
             for seed in sorted({r["seed"] for r in results})
-            if (algo, seed) in finals and ("grpo", seed) in finals
-            and len(finals[(algo, seed)]) == len(finals[("grpo", seed)])]
+            if (algo, seed) in finals and (other, seed) in finals
+            and len(finals[(algo, seed)]) == len(finals[(other, seed)])]
+
+
+# RESULT lines of one objective against another, paired per seed then averaged over the seeds:
+# (algo, other, the line's head, the algo's gain's name, the other's, the difference's)
+COMPARISONS = [("trl_sdpo", "sdpo_demo", "RESULT reference=trl_sdpo", "trl_sdpo_gain", "ours_sdpo_gain",
+                "trl_minus_ours"),
+               ("sdpo_seq_mean", "sdpo_demo", "RESULT loss_agg=seq_mean_token_mean", "sdpo_gain", "token_mean_gain",
+                "minus_token_mean")]
+
+
+def comparison_lines(results: list[dict]) -> list[str]:
+    """The COMPARISONS whose two objectives both ran: each one's gain over the seeds and the
+    paired difference of their final evaluations (SE: the seeds' in quadrature / seeds)."""
+    lines = []
+    for algo, other, head, gain_name, other_name, diff_name in COMPARISONS:
+        diffs = minus_grpo(results, algo, other)
+        if not diffs:
+            continue
+        seeds = [seed for seed, _, _ in diffs]
+        g = lambda a: mean_over_seeds([(r["gain"], r["gain_se"]) for r in results if r["algo"] == a and r["seed"] in seeds])
+        (ga, sa), (go, so) = g(algo), g(other)
+        d, sd = mean_over_seeds([(v, e) for _, v, e in diffs])
+        lines.append(f"{head} {gain_name}={ga:.4f} {gain_name}_se={sa:.4f} {other_name}={go:.4f} "
+                     f"{other_name}_se={so:.4f} {diff_name}={d:.4f} se={sd:.4f} seeds={len(diffs)}")
+    return lines
 
 
 def best_minus_grpo_line(results: list[dict]) -> str:
@@ -336,8 +443,25 @@ def verdicts(results: list[dict]) -> list[str]:
     return out
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_all(args, algos: list[str], common: list[str], files: dict, out: str) -> list[dict]:
+    """Each objective for each seed, in order (or their figures, --summarize / --reuse)."""
+    results, baseline = [], ""
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for algo in algos:
+            if algo == "trl_sdpo":
+                baseline = baseline or evaluate_start(common, out)
+                results.append(trl_result(seed, common, args, files, out, baseline, args.reuse or args.summarize))
+                continue
+            results.append(algo_result(algo, seed, common, args.steps, out, args.summarize, baseline,
+                                       args.reuse))
+            # the first run's step-0 evaluation serves the others: the same model, rows and sampling seed
+            baseline = baseline or os.path.join(out, algo if seed == 0 else f"{algo}-seed{seed}")
+    return results
+
+
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """This bench's flags (bench/icl_warm_start.py adds its own); the rest pass to run.py."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12, help="training steps per objective")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
@@ -359,7 +483,22 @@ def main():
                              "again: add an objective to earlier runs, paired with them")
     parser.add_argument("--summarize", action="store_true",
                         help="only print the figures of the runs already in --out (run with this script)")
-    args, extra = parser.parse_known_args()
+    return parser
+
+
+def common_flags(args, model: str, files: dict, extra: list[str]) -> list[str]:
+    """The run.py flags every run of the bench shares."""
+    return [f"--model.path={model}", f"--data.task={files['train']}", f"--data.eval_path={files['test']}",
+            "--data.reward=math", f"--rollout.max_tokens={args.max_tokens}",
+            f"--rollout.temperature={args.temperature}", f"--data.eval_rows={args.eval_rows}",
+            f"--rollout.eval_k={args.eval_k}", f"--train.prompts_per_step={args.prompts}", f"--rollout.n={args.n}",
+            # 1.5 GB at this model's 46 KB a token (float32, 30 layers): enough for the
+            # held-out batch's sequences at once; a smaller cache only schedules fewer together
+            "--rollout.kv_cache_tokens=32768"] + extra
+
+
+def main():
+    args, extra = bench_parser(__doc__).parse_known_args()
     algos = args.algos.split(",")
     unknown = [a for a in algos if a not in ALGOS]
     if unknown:
@@ -372,21 +511,10 @@ def main():
           f"{args.steps} steps of {args.prompts} x {args.n} at T={args.temperature}, max_tokens {args.max_tokens}, "
           f"{args.eval_rows} held-out rows avg@{args.eval_k}, algos {algos}, seeds {args.seeds}"
           + (f", extra flags {extra}" if extra else ""), flush=True)
-    common = [f"--model.path={model}", f"--data.task={files['train']}", f"--data.eval_path={files['test']}",
-              "--data.reward=math", f"--rollout.max_tokens={args.max_tokens}",
-              f"--rollout.temperature={args.temperature}", f"--data.eval_rows={args.eval_rows}",
-              f"--rollout.eval_k={args.eval_k}", f"--train.prompts_per_step={args.prompts}", f"--rollout.n={args.n}",
-              # 1.5 GB at this model's 46 KB a token (float32, 30 layers): enough for the
-              # held-out batch's sequences at once; a smaller cache only schedules fewer together
-              "--rollout.kv_cache_tokens=32768"] + extra
-    lines = [teacher_gap_result(common, args.teacher_gap_rows, out)] if args.teacher_gap and not args.summarize else []
-    results, baseline = [], ""
-    for seed in [int(s) for s in args.seeds.split(",")]:
-        for algo in algos:
-            results.append(algo_result(algo, seed, common, args.steps, out, args.summarize, baseline,
-                                       args.reuse))
-            # the first run's step-0 evaluation serves the others: the same model, rows and sampling seed
-            baseline = baseline or os.path.join(out, algo if seed == 0 else f"{algo}-seed{seed}")
+    common = common_flags(args, model, files, extra)
+    lines = [teacher_gap_result(common, args.teacher_gap_rows, out, args.reuse)] if args.teacher_gap and not args.summarize \
+        else []
+    results = run_all(args, algos, common, files, out)
     header = (f"{'objective':>12} {'before':>6} {'after':>6} {'gain':>6} {'SE':>5} {'truncated':>12} "
               f"{'entropy':>10} {'T-S ent':>7} " + " ".join(f"{k.split('/')[-1]:>7}" for k in SPLIT)
               + f" {'other':>6} {'wall':>6} {'peakGB':>6}")
@@ -396,7 +524,7 @@ def main():
     print(f"total {time.time() - t_start:.0f}s")
     print("\n".join(verdicts(results)))
     print("\n".join(lines + [result_line(r) for r in results] + [summary_line(results)]
-                    + [line for line in [best_minus_grpo_line(results)] if line]), flush=True)
+                    + [line for line in [best_minus_grpo_line(results)] if line] + comparison_lines(results)), flush=True)
 
 
 if __name__ == "__main__":

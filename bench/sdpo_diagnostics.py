@@ -128,7 +128,7 @@ def fixed_batch(args, cfg, model, tokenizer, train_rows, heldout_rows) -> dict:
 
 def batch_rollouts(batch: dict, tokenizer, cfg, by_uid: dict) -> list:
     """The saved training samples as the loop's rollouts, with GRPO's advantages and SDPO's
-    teacher contexts (objectives.prepare_*) written on them."""
+    teacher contexts (the hybrid's prepare: objectives.hybrid) written on them."""
     import data
     import microbatch
     import objectives
@@ -139,8 +139,7 @@ def batch_rollouts(batch: dict, tokenizer, cfg, by_uid: dict) -> list:
                                            response_ids=s["response_ids"], rollout_logprobs=[0.0] * len(s["response_ids"]),
                                            text=s["text"], truncated=s["truncated"], reward=s["reward"],
                                            feedback=s["feedback"]))
-    objectives.prepare_advantages(rollouts, tokenizer, cfg)
-    return rollouts, objectives.prepare_teacher_contexts(rollouts, tokenizer, cfg)
+    return rollouts, objectives.hybrid.prepare_hybrid(rollouts, tokenizer, cfg)
 
 
 # ----------------------------------------------------------------------------------------
@@ -228,9 +227,9 @@ def demonstrations(tokenizer, cfg, rollouts: list, train_rows: list) -> tuple:
         demo = demo_text.setdefault(j, sdpo.strip_thinking(tokenizer.decode(rollouts[j].response_ids,
                                                                               skip_special_tokens=True)))
         real_prompt = sdpo.teacher_prompt_ids(tokenizer, r.row["messages"], demo, None, cfg.sdpo)
-        assert real_prompt + r.response_ids == r.teacher_ids, "the demonstration is not the one sdpo.py chose"
+        assert real_prompt + r.response_ids == r.fields.teacher_ids, "the demonstration is not the one sdpo.py chose"
         cf_demo = substitute(demo, found[0])
-        real.append(r.teacher_ids)
+        real.append(r.fields.teacher_ids)
         cf.append(sdpo.teacher_prompt_ids(tokenizer, r.row["messages"], cf_demo, None, cfg.sdpo) + r.response_ids)
         chosen.append(i)
         pairs.setdefault(r.row["uid"], (r.row, demo, cf_demo, found[0]))
@@ -367,9 +366,9 @@ def gradients(args, policy, tokenizer, flags, rollouts, heldout) -> list:
     def update_grad(extra):
         cfg = run.parse_config(flags + extra)
         objective = OBJECTIVES[cfg.algo.name]
-        teacher = Teacher("live", 0.0) if "teacher" in objective.models else None  # the EMA teacher at step 0
+        teacher = Teacher("live", 0.0) if cfg.algo.name in ("sdpo", "hybrid") else None  # the EMA teacher at step 0
         keeper = GradKeeper(policy)
-        trainer = run.Trainer(Models(policy, teacher), keeper, NoSchedule())
+        trainer = run.Trainer(Models(policy, teacher=teacher), keeper, NoSchedule())
         metrics, _ = run.update_policy(cfg, objective, trainer, copy.deepcopy(rollouts), 0, pad, run.Dist(0, 1, "cpu"))
         return keeper.grad, metrics
 
@@ -459,7 +458,7 @@ def main():
                                             (not r.truncated and (r.reward >= 0.5) == (k == "right"))))
              for k in KINDS}
     lines = [f"RESULT diag=batch samples={len(rollouts)} " + " ".join(f"{k}={v}" for k, v in kinds.items())
-             + f" with_demonstration={sum(r.sdpo_mask > 0 for r in rollouts)}"
+             + f" with_demonstration={sum(r.fields.sdpo_mask > 0 for r in rollouts)}"
              f" groups_with_success={prepared['sdpo/groups_with_success']:.3f}"
              f" response_length={sum(len(r.response_ids) for r in rollouts) / len(rollouts):.1f}"
              f" heldout_correct={sum(h['reward'] >= 0.5 for h in batch['heldout'])}/{len(batch['heldout'])}"

@@ -109,24 +109,25 @@ def shortest_first(tests: list[dict], size: Callable[[dict], int] = lambda t: le
 
 BUILTIN = {"math": ("feedback.math", "math_reward"), "code": ("feedback.code", "code_reward"),
            "mc": ("feedback.mc", "mc_reward")}
+# The synthetic tasks' checkers by task name ("strops", "quiz", ...): the tasks' table registers them
+# (tasks/__init__.py), since the tasks are built on this module's helpers
+CHECKERS: dict[str, Callable] = {}
 
 
 def reward_names() -> list[str]:
     """The names get_reward_fn knows without a module: the built-in ones and the tasks' checkers."""
-    import tasks
-    return sorted([*BUILTIN, *(name for name in tasks.TASKS if tasks.checker(name))])
+    return sorted([*BUILTIN, *CHECKERS])
 
 
 def get_reward_fn(name: str) -> Callable:
     """A built-in name ("math", "code", "mc"), a synthetic task's name for its checker ("strops",
-    "quiz", "shapes": tasks.checker), "package.module:function", or "path/to/file.py:function".
+    "quiz", "shapes": CHECKERS), "package.module:function", or "path/to/file.py:function".
     Raises ValueError naming the spec when it cannot be loaded."""
     if name in BUILTIN:
         module, attr = BUILTIN[name]
         return getattr(importlib.import_module(module), attr)
-    import tasks  # here, not above: the tasks' checkers are built on this module's helpers
-    if tasks.checker(name):
-        return tasks.checker(name)
+    if name in CHECKERS:
+        return CHECKERS[name]
     usage = f"expected one of {reward_names()}, 'package.module:function' or 'path/to/file.py:function'"
     if ":" not in name:
         raise ValueError(f"unknown reward function {name!r}: {usage}")

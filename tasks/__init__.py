@@ -6,6 +6,7 @@ A task's file holds all of it (docs/data.md, "Adding a task", is a worked exampl
     REWARD                       the checker its rows name: "math" (feedback/), or its own name
                                  for the file's `reward(response, row, truncated)`, which scores
                                  an answer and says what is wrong without giving the answer
+                                 (registered in feedback.CHECKERS under the task's name)
     Flags                        a dataclass of its difficulty knobs, which become --data.* flags
     RECIPE, RECIPE_BY_ALGO       optional: its flag values on the tiny model (on top of tiny_models.RECIPE),
                                  which `--recipe auto` picks for --data.task NAME
@@ -21,6 +22,7 @@ import hashlib
 import importlib
 import random
 
+import feedback
 from errors import DataError, FlagError
 
 # The table: one line per task, its name = its file in this folder.
@@ -32,6 +34,8 @@ TASKS = {name: importlib.import_module(f"tasks.{name}") for name in (
     "manners",
 )}
 IMAGE_TASKS = tuple(name for name, task in TASKS.items() if getattr(task, "IMAGES", False))
+# Each task's checker under its name (--data.reward strops, rows whose reward names it): handed down to feedback/
+feedback.CHECKERS.update({name: task.reward for name, task in TASKS.items() if hasattr(task, "reward")})
 
 
 @dataclasses.dataclass
@@ -70,11 +74,6 @@ def task_rows(task: str, split: str, n: int, seed: int = 0, cfg: TaskConfig | No
         return rows
     raise DataError(f"task {task!r} has fewer than {n} distinct {split} rows at this difficulty; "
                     f"got {len(rows)} (raise the difficulty or lower n)")
-
-
-def checker(name: str):
-    """The checker of the task called name (its file's `reward`), or None."""
-    return getattr(TASKS.get(name), "reward", None)
 
 
 def wrong_response(row: dict, rng: random.Random) -> str | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from errors import FlagError
 from feedback import Reward, row_field, truncated_reward
+from image_prompts import draw_shapes
 from tasks.quiz import wrong_lines
 
 REWARD = "shapes"  # its rows name this file's `reward`
@@ -69,26 +70,6 @@ def grid_positions(grid: int) -> list[str]:
     if grid not in rows:
         raise FlagError(f"--data.shapes_grid={grid}: must be 1, 2 or 3")
     return [f"{r} {c}" if grid > 1 else "centre" for r in rows[grid] for c in cols[grid]]
-
-
-def draw_shapes(shapes: list[dict], size: int, grid: int):
-    """The picture of a scene: each shape {"kind", "colour", "cell", "scale", "dx", "dy"} drawn in
-    its grid cell on a white background (PIL, RGB)."""
-    from PIL import Image, ImageDraw
-    image = Image.new("RGB", (size, size), "white")
-    draw, cell = ImageDraw.Draw(image), size / grid
-    for s in shapes:
-        r, c = divmod(s["cell"], grid)
-        half = cell * s["scale"] / 2
-        cx, cy = (c + 0.5 + s["dx"]) * cell, (r + 0.5 + s["dy"]) * cell
-        box = [cx - half, cy - half, cx + half, cy + half]
-        if s["kind"] == "circle":
-            draw.ellipse(box, fill=s["colour"])
-        elif s["kind"] == "square":
-            draw.rectangle(box, fill=s["colour"])
-        else:
-            draw.polygon([(cx, cy - half), (cx - half, cy + half), (cx + half, cy + half)], fill=s["colour"])
-    return image
 
 
 # scene: every shape in reading order, as "red circle top left, blue square bottom right" (a

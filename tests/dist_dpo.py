@@ -23,7 +23,8 @@ def main(out_dir, d):
     import run
     import tiny_models
     from microbatch import Models
-    from objectives import OBJECTIVES, prepare_pairs
+    from objectives import OBJECTIVES
+    from objectives.dpo import prepare_pairs
     from distributed import full_tensor
     from teacher import Reference
     from test_dpo import TWO_RANK_FLAGS, TWO_RANK_REWARDS, _scored, dpo_config

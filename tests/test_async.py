@@ -66,7 +66,7 @@ def test_share_cores_switches_the_trainers_threads_while_the_engine_generates_be
     threads = torch.get_num_threads()
     try:
         processes.share_cores(run.parse_config(["--train.off_policy_steps=1"]), engine,
-                            Models(policy, Teacher("ema", 0.1, copy)))
+                            Models(policy, teacher=Teacher("ema", 0.1, copy)))
         for model in (policy, copy):
             torch.set_num_threads(1)
             engine.generating = True
@@ -137,7 +137,7 @@ def test_one_optimizer_step_on_a_stale_batch_needs_no_separate_old_logprobs(tiny
     objective, pad_id = OBJECTIVES[algo], tokenizer.pad_token_id
     engine_version = _policy(tiny_dir, seed=3)
     policy = perturbed(engine_version, seed=4, scale=0.005)  # one update later
-    teacher = Teacher("ema", 0.05, _policy(tiny_dir)) if "teacher" in objective.models else None
+    extra = objective.build_models(cfg, lambda: _policy(tiny_dir), tiny_dir, ONE_PROCESS)  # SDPO's: an EMA teacher
     rollouts = _rollouts(tokenizer, algo)
     temperature = cfg.rollout.temperature
     for r, lp in zip(rollouts, microbatch.response_logprobs(engine_version, rollouts, pad_id, ONE_PROCESS, 64,
@@ -146,10 +146,10 @@ def test_one_optimizer_step_on_a_stale_batch_needs_no_separate_old_logprobs(tiny
     at_update = microbatch.response_logprobs(policy, rollouts, pad_id, ONE_PROCESS, 64, temperature)
 
     recorder = GradRecorder(policy)
-    metrics, _ = run.update_policy(cfg, objective, run.Trainer(Models(policy, teacher), recorder, NoSchedule()),
+    metrics, _ = run.update_policy(cfg, objective, run.Trainer(Models(policy, **extra), recorder, NoSchedule()),
                                    rollouts, 0, pad_id, ONE_PROCESS)
-    separate = _grads_of_loss(objective, Models(policy, teacher), rollouts, at_update, cfg, pad_id)
-    behaviour_as_old = _grads_of_loss(objective, Models(policy, teacher), rollouts,
+    separate = _grads_of_loss(objective, Models(policy, **extra), rollouts, at_update, cfg, pad_id)
+    behaviour_as_old = _grads_of_loss(objective, Models(policy, **extra), rollouts,
                                       [r.rollout_logprobs for r in rollouts], cfg, pad_id)
     assert len(recorder.grads) == 1
     difference = 0.0
@@ -184,14 +184,16 @@ def test_on_a_cpu_the_next_batch_starts_after_the_teacher_forward_once(teacher, 
     monkeypatch.setattr(run, "batch_rows", lambda rows, step, *args: step)
     monkeypatch.setattr(run, "collect", lambda cfg, objective, engine, tokenizer, step, *args: (
         [types.SimpleNamespace(generated=False)], {"batch": step}))
-    models = Models(policy=None, teacher=teacher and types.SimpleNamespace(reads_policy=teacher == "live", copy=None))
-    batches = run.Batches(cfg, OBJECTIVES["sdpo"], Engine(), None, [], ONE_PROCESS, models=models)
+    objective = OBJECTIVES["sdpo"] if teacher else OBJECTIVES["grpo"]
+    copy = None if teacher == "live" else torch.nn.Linear(1, 1)
+    models = Models(policy=None, teacher=teacher and Teacher(teacher, 0.05, copy))
+    batches = run.Batches(cfg, objective, Engine(), None, [], ONE_PROCESS, models=models)
     assert batches.take(0)[1]["batch"] == 0
     if teacher == "ema":
         assert started == []  # waits for the teacher
         batches.generate_next()
     assert started == ["generation of batch 1"]
-    batches.generate_next()  # the update calls it whether or not take did
+    batches.generate_next()  # learn calls it whether or not take did
     assert started == ["generation of batch 1"]
     assert batches.take(1)[1]["batch"] == 1
     assert batches.take(2)[1]["batch"] == 2  # never started with a teacher: generated now
@@ -266,7 +268,7 @@ def test_each_batch_comes_from_the_weights_before_the_last_update(tiny_dir, toke
     pad_id, temperature = tokenizer.pad_token_id, cfg.rollout.temperature
     generations, loads, updates, weights = [], [], [], {}
     real_generate, real_load = rollout.Engine.generate, rollout.Engine.update_weights
-    real_sync, real_update = run.sync_engine, run.update_policy
+    real_sync, real_prepare, real_steps = run.sync_engine, run.prepare_update, run.take_steps
 
     def generate(engine, prompts, **kwargs):
         engine_probe = engine.score([probe])[0]  # the weights the engine holds as it starts
@@ -286,23 +288,25 @@ def test_each_batch_comes_from_the_weights_before_the_last_update(tiny_dir, toke
         weights[version] = {k: v.detach().clone() for k, v in policy.hf.state_dict().items()}
         return real_sync(cfg, engine, policy, tokenizer, d, version)
 
-    def update_policy(cfg, objective, trainer, rollouts, step, pad, d, teacher_done=None):
-        record = {"step": step, "versions": [r.policy_version for r in rollouts],
-                  "rollout": [r.rollout_logprobs for r in rollouts], "rollouts": rollouts,
-                  "old": microbatch.response_logprobs(trainer.models.policy, rollouts, pad, d, 64, temperature),
-                  "start": time.perf_counter()}
+    def prepare_update(cfg, objective, trainer, rollouts, step, pad, d):
+        updates.append({"step": step, "versions": [r.policy_version for r in rollouts],
+                        "rollout": [r.rollout_logprobs for r in rollouts], "rollouts": rollouts,
+                        "old": microbatch.response_logprobs(trainer.models.policy, rollouts, pad, d, 64, temperature),
+                        "start": time.perf_counter()})
+        out = real_prepare(cfg, objective, trainer, rollouts, step, pad, d)
+        updates[-1]["teacher_done"] = time.perf_counter()  # the teacher's forward: in the update's preparation
+        return out
 
-        def done():
-            record["teacher_done"] = time.perf_counter()
-            teacher_done()
-        out = real_update(cfg, objective, trainer, rollouts, step, pad, d, done)
-        updates.append({**record, "end": time.perf_counter()})
+    def take_steps(*args):
+        out = real_steps(*args)
+        updates[-1]["end"] = time.perf_counter()
         return out
 
     monkeypatch.setattr(rollout.Engine, "generate", generate)
     monkeypatch.setattr(rollout.Engine, "update_weights", update_weights)
     monkeypatch.setattr(run, "sync_engine", sync_engine)
-    monkeypatch.setattr(run, "update_policy", update_policy)
+    monkeypatch.setattr(run, "prepare_update", prepare_update)
+    monkeypatch.setattr(run, "take_steps", take_steps)
     run.train(cfg, tiny_dir, ONE_PROCESS)
     weights[0] = {k: v.clone() for k, v in _policy(tiny_dir).hf.state_dict().items()}
 

@@ -1068,7 +1068,7 @@ def test_the_adding_a_task_example_in_docs_is_one_file_and_one_table_line(tmp_pa
     (copy / "tasks" / "__init__.py").write_text(table.replace('    "shapes",\n', '    "shapes",\n' + blocks["tasks/__init__.py"], 1))
     check = """
 import random, data, feedback, tasks
-from config import parse_config
+from flags import parse_config
 cfg = parse_config(["--data.task=sort", "--data.sort_len=4", "--data.train_rows=40", "--data.eval_rows=8"])
 assert cfg.recipe == "sort" and cfg.train.warm_start_steps == 200, cfg.recipe
 train, held_out = data.read_rows(cfg)

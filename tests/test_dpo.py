@@ -14,7 +14,8 @@ import objectives
 import rollout
 import run
 from microbatch import Models, Rollout
-from objectives import OBJECTIVES, preference_pairs, prepare_pairs
+from objectives import OBJECTIVES
+from objectives.dpo import preference_pairs, prepare_pairs
 from teacher import Reference
 from test_run import GradRecorder, NoSchedule, ONE_PROCESS, ROOT, SMALL, _free_port, _metrics, _policy, _rollouts, _run
 from policy import CausalLM
@@ -69,9 +70,9 @@ def test_prepare_marks_pairs_and_a_prompt_without_a_pair_contributes_nothing(tok
     rollouts = _scored(tokenizer, [[1, 0, 0, 1], [0, 0, 0, 0], [0.5, 1, 0, 0.5]])
     metrics = prepare_pairs(rollouts, tokenizer, cfg)
     assert metrics == {"dpo/pairs": 4 + 5, "dpo/ties_skipped": 2 + 6 + 1, "dpo/prompts_with_pair": 2 / 3}
-    assert [r.preferred_over for r in rollouts[:4]] == [[1, 2], [], [], [1, 2]]
-    assert [r.sample_index for r in rollouts] == [0, 1, 2, 3] * 3
-    assert not any(r.paired for r in rollouts[4:8])
+    assert [r.fields.preferred_over for r in rollouts[:4]] == [[1, 2], [], [], [1, 2]]
+    assert [r.fields.sample_index for r in rollouts] == [0, 1, 2, 3] * 3
+    assert not any(r.fields.paired for r in rollouts[4:8])
     units = mini_batch_units(rollouts, DPO)
     assert units == [[0, 1, 2, 3], [], [8, 9, 10, 11]]  # one unit per prompt, the tied one empty
     counts = step_counts([rollouts[i] for unit in units for i in unit], DPO)
@@ -93,9 +94,9 @@ def test_spin_chooses_the_reference_ending_with_the_engines_eos_over_every_sampl
     for reference, first in zip(references, (rollouts[0], rollouts[3])):
         assert not reference.generated and reference.row is first.row and reference.prompt_ids == first.prompt_ids
         assert reference.response_ids == tokenizer(first.row["reference"], add_special_tokens=False)["input_ids"] + [stop]
-        assert reference.sample_index == 3 and reference.paired
-    assert references[0].preferred_over == [0, 1, 2]
-    assert references[1].preferred_over == [0, 2]  # sample 1 is the reference itself: a tie
+        assert reference.fields.sample_index == 3 and reference.fields.paired
+    assert references[0].fields.preferred_over == [0, 1, 2]
+    assert references[1].fields.preferred_over == [0, 2]  # sample 1 is the reference itself: a tie
     assert metrics == {"dpo/pairs": 5, "dpo/ties_skipped": 1, "dpo/prompts_with_pair": 1.0}
     units = mini_batch_units(rollouts, DPO)
     assert units == [[0, 1, 2, 6], [3, 5, 7]]
@@ -327,8 +328,8 @@ def test_sequence_log_probs_are_sums_of_a_plain_forwards_token_log_probs(tiny_di
             logits = policy.hf(input_ids=ids).logits[0, len(r.prompt_ids) - 1:-1].double()
         return logits.log_softmax(-1).gather(1, torch.tensor(r.response_ids)[:, None]).sum().item()
 
-    chosen = [r for r in rollouts if r.preferred_over]
-    rejected = [next(s for s in rollouts if s.row["uid"] == r.row["uid"] and s.sample_index == r.preferred_over[0])
+    chosen = [r for r in rollouts if r.fields.preferred_over]
+    rejected = [next(s for s in rollouts if s.row["uid"] == r.row["uid"] and s.fields.sample_index == r.fields.preferred_over[0])
                 for r in chosen]
     assert len(chosen) == 3
     assert metrics["dpo/logps_chosen"] == pytest.approx(sum(map(plain, chosen)) / 3, rel=1e-5)

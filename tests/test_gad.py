@@ -17,10 +17,11 @@ import microbatch
 import packing
 import run
 import warm_start
-from config import parse_config
+from flags import parse_config
 from discriminator import Critic
 from microbatch import Models
-from objectives import OBJECTIVES, gad_loss, gad_rewards, prepare_teacher_responses
+from objectives import OBJECTIVES
+from objectives.gad import gad_loss, gad_rewards, prepare_teacher_responses
 from teacher import Reference
 from test_run import ONE_PROCESS, SMALL, GradRecorder, NoSchedule, _metrics, _policy, _rollouts, _run
 from update import step_counts
@@ -109,7 +110,7 @@ def test_a_step_reports_the_loss_and_accuracy_of_its_pre_update_scores_and_has_t
         teacher = next(r for r in group if not r.generated)
         pairs += [(teacher, s) for s in group if s.generated]
     assert len(pairs) == 6 and critic.steps == 1
-    gaps = [t.discriminator_score - s.discriminator_score for t, s in pairs]
+    gaps = [t.fields.discriminator_score - s.fields.discriminator_score for t, s in pairs]
     assert metrics["gad/d_loss"] == pytest.approx(sum(-F.logsigmoid(torch.tensor(g)).item() for g in gaps) / 6, rel=1e-5)
     assert metrics["gad/d_acc"] == pytest.approx(sum(g > 0 for g in gaps) / 6)
     # the gradient is that of the mean over all pairs, each sequence scored alone (a slow loop)
@@ -144,14 +145,14 @@ def test_rewards_come_from_the_discriminator_before_its_update(tiny_dir, tokeniz
     pre = critic.score(seqs, tokenizer.pad_token_id, "cpu")
     gad_rewards(rollouts, Models(_policy(tiny_dir), discriminator=critic), cfg, tokenizer.pad_token_id, ONE_PROCESS)
     post = critic.score(seqs, tokenizer.pad_token_id, "cpu")
-    got = torch.tensor([r.discriminator_score for r in rollouts])
+    got = torch.tensor([r.fields.discriminator_score for r in rollouts])
     torch.testing.assert_close(got, pre, rtol=1e-5, atol=1e-5)
     assert (got - post).abs().max() > 1e-2  # the update moved the scores: the order is observable
     # GRPO advantages (std-normalised by default for GAD) of the pre-update scores, students only
     students = [r for r in rollouts if r.generated]
-    expected = losses.grpo_advantages(torch.tensor([r.discriminator_score for r in students], dtype=torch.float64),
+    expected = losses.grpo_advantages(torch.tensor([r.fields.discriminator_score for r in students], dtype=torch.float64),
                                       [r.row["uid"] for r in students], norm_by_std=True)
-    assert [r.advantage for r in students] == pytest.approx(expected.tolist(), abs=1e-9)
+    assert [r.fields.advantage for r in students] == pytest.approx(expected.tolist(), abs=1e-9)
 
 
 def test_several_discriminator_steps_a_batch_are_that_many_steps_rewarded_with_the_first_scores(tiny_dir,
@@ -166,7 +167,7 @@ def test_several_discriminator_steps_a_batch_are_that_many_steps_rewarded_with_t
     got = gad_rewards(batch, Models(_policy(tiny_dir), discriminator=repeated),
                       gad_config("--rollout.n=3", "--gad.disc_steps=3"), pad, ONE_PROCESS)
     assert repeated.steps == 1
-    torch.testing.assert_close(torch.tensor([r.discriminator_score for r in batch]), pre, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor([r.fields.discriminator_score for r in batch]), pre, rtol=1e-5, atol=1e-5)
     firsts = [gad_rewards(copy.deepcopy(rollouts), Models(_policy(tiny_dir), discriminator=single),
                           gad_config("--rollout.n=3"), pad, ONE_PROCESS) for _ in range(3)]
     assert got["gad/d_loss"] == pytest.approx(firsts[0]["gad/d_loss"], rel=1e-5)
@@ -190,7 +191,7 @@ def test_the_teacher_text_ends_with_the_engines_eos_so_identical_texts_score_ide
     assert not teacher.generated and teacher.response_ids == rollouts[0].response_ids
     gad_rewards(rollouts, Models(_policy(tiny_dir), discriminator=_critic(tiny_dir)), cfg, tokenizer.pad_token_id,
                 ONE_PROCESS)
-    assert teacher.discriminator_score == pytest.approx(rollouts[0].discriminator_score, abs=1e-6)
+    assert teacher.fields.discriminator_score == pytest.approx(rollouts[0].fields.discriminator_score, abs=1e-6)
 
 
 # ----------------------------------------------------------------------------------------
@@ -220,7 +221,7 @@ def test_stages_train_the_policy_on_the_teachers_text_then_not_at_all_then_on_it
         stage = "warmup" if step < warmup else "critic" if step < warmup + critic_warmup else "gad"
         assert metrics["gad/stage"] == ("warmup", "critic", "gad").index(stage)
         assert moved == stepped == (stage != "critic"), step
-        trained = [r for r in rollouts if r.trains_policy]
+        trained = [r for r in rollouts if r.fields.trains_policy]
         assert trained == [r for r in rollouts if (not r.generated if stage == "warmup" else r.generated)
                            and stage != "critic"]
         assert ("actor/kl" in metrics) == (stage == "gad")
@@ -232,8 +233,8 @@ def _kl_grads(tiny_dir, tokenizer, kind, coef=1.0):
     rollouts = [r for r in _gad_rollouts(tokenizer, cfg) if r.generated]
     g = torch.Generator().manual_seed(0)
     for r in rollouts:
-        r.advantage = 0.0  # the clipped surrogate contributes no gradient: only the KL term is left
-        r.reference_logprobs = (torch.tensor(r.rollout_logprobs) + torch.randn(len(r.response_ids), generator=g)).tolist()
+        r.fields.advantage = 0.0  # the clipped surrogate contributes no gradient: only the KL term is left
+        r.fields.reference_logprobs = (torch.tensor(r.rollout_logprobs) + torch.randn(len(r.response_ids), generator=g)).tolist()
     counts = step_counts(rollouts, GAD)
     mb = microbatch.micro_batch(None, rollouts, counts, tokenizer.pad_token_id, "cpu", None, 1)
     loss, stats = gad_loss(mb, Models(policy), cfg)
@@ -258,11 +259,11 @@ def test_kl_in_the_reward_instead_of_the_loss(tiny_dir, tokenizer):
     rollouts = _gad_rollouts(tokenizer, cfg)
     metrics = gad_rewards(rollouts, trainer.models, cfg, tokenizer.pad_token_id, ONE_PROCESS)
     students = [r for r in rollouts if r.generated]
-    kl = [losses.kl_estimate(torch.tensor(r.rollout_logprobs), torch.tensor(r.reference_logprobs)).sum().item()
+    kl = [losses.kl_estimate(torch.tensor(r.rollout_logprobs), torch.tensor(r.fields.reference_logprobs)).sum().item()
           for r in students]
-    rewards = torch.tensor([r.discriminator_score - 0.5 * k for r, k in zip(students, kl)], dtype=torch.float64)
+    rewards = torch.tensor([r.fields.discriminator_score - 0.5 * k for r, k in zip(students, kl)], dtype=torch.float64)
     expected = losses.grpo_advantages(rewards, [r.row["uid"] for r in students])
-    assert [r.advantage for r in students] == pytest.approx(expected.tolist(), abs=1e-6)
+    assert [r.fields.advantage for r in students] == pytest.approx(expected.tolist(), abs=1e-6)
     assert metrics["gad/reward_kl"] == pytest.approx(sum(kl) / len(kl), rel=1e-5)
     mb = microbatch.micro_batch(None, students, step_counts(students, GAD), tokenizer.pad_token_id, "cpu", None, 1)
     with_kl = gad_loss(mb, trainer.models, cfg)[0]

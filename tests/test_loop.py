@@ -63,7 +63,7 @@ def loop_update(flags, rollouts, teacher_kind=None, teacher_seed=None):
     tiny, tokenizer, cfg, objective, policy = fixed_start(flags)
     start = copy.deepcopy(policy.hf)
     teacher = None
-    if "teacher" in objective.models:
+    if cfg.algo.name in ("sdpo", "hybrid"):  # the objectives with SDPO's teacher
         kind = teacher_kind or cfg.sdpo.teacher
         teacher = Teacher(kind, cfg.sdpo.teacher_rate, _policy(tiny, seed=teacher_seed) if kind != "live" else None)
     recorder = SteppingRecorder(policy)
@@ -71,7 +71,7 @@ def loop_update(flags, rollouts, teacher_kind=None, teacher_seed=None):
     def spied_loss(mb, models, cfg):  # which rollouts each optimizer step used
         recorder.current += [next(i for i, x in enumerate(rollouts) if x is r) for r in mb.rollouts]
         return objective.loss(mb, models, cfg)
-    trainer = run.Trainer(Models(policy, teacher), recorder, NoSchedule())
+    trainer = run.Trainer(Models(policy, teacher=teacher), recorder, NoSchedule())
     metrics, _ = run.update_policy(cfg, dataclasses.replace(objective, loss=spied_loss), trainer, rollouts, 0,
                                    tokenizer.pad_token_id, ONE_PROCESS)
     return recorder, metrics, start, (copy.deepcopy(teacher.copy.hf) if teacher and teacher.copy is not None else None)
@@ -123,7 +123,7 @@ def reference_loss(cfg, name, student, teacher, rollouts, chosen, old, stats):
     (trust-region: its reference; None: live, the student itself)."""
     tau, sd, algo = cfg.rollout.temperature, cfg.sdpo, cfg.algo
     sdpo = name == "sdpo"
-    counted = [i for i in chosen if not sdpo or rollouts[i].sdpo_mask > 0]
+    counted = [i for i in chosen if not sdpo or rollouts[i].fields.sdpo_mask > 0]
     per_sequence = []  # each counted sequence's per-token loss
     for i in counted:
         r = rollouts[i]
@@ -142,13 +142,13 @@ def reference_loss(cfg, name, student, teacher, rollouts, chosen, old, stats):
         stats["engine_capped"] += int((log_w.exp() > cfg.rollout.is_cap).sum())
         if not cfg.rollout.is_correction:
             engine = torch.ones(n)
-        if name in ("sdpo", "hybrid") and r.sdpo_mask > 0:
+        if name in ("sdpo", "hybrid") and r.fields.sdpo_mask > 0:
             with torch.no_grad():
                 if sd.teacher == "trust-region":
-                    t_logits = ((1 - sd.teacher_rate) * response_logits(teacher, r.teacher_ids, n)
-                                + sd.teacher_rate * response_logits(student, r.teacher_ids, n))
+                    t_logits = ((1 - sd.teacher_rate) * response_logits(teacher, r.fields.teacher_ids, n)
+                                + sd.teacher_rate * response_logits(student, r.fields.teacher_ids, n))
                 else:
-                    t_logits = response_logits(teacher if teacher is not None else student, r.teacher_ids, n)
+                    t_logits = response_logits(teacher if teacher is not None else student, r.fields.teacher_ids, n)
                 t_full = (t_logits / tau).log_softmax(-1)
             t_tok = t_full.gather(-1, torch.tensor(r.response_ids)[:, None])[:, 0]
         if sdpo:
@@ -163,8 +163,8 @@ def reference_loss(cfg, name, student, teacher, rollouts, chosen, old, stats):
             stats["is_clipped"] += int((is_weight > sd.is_clip).sum())
             per_sequence.append(per_token * is_weight.clamp(max=sd.is_clip) * engine)
             continue
-        advantage = torch.full((n,), r.advantage)
-        if name == "hybrid" and r.sdpo_mask > 0:
+        advantage = torch.full((n,), r.fields.advantage)
+        if name == "hybrid" and r.fields.sdpo_mask > 0:
             advantage = (algo.lam * advantage + (1 - algo.lam) * (t_tok - s_tok)).detach()
         elif name == "hybrid":
             advantage = algo.lam * advantage

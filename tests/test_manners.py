@@ -126,7 +126,8 @@ def test_the_manner_flags_key_only_the_manners_tasks_warm_start():
 def test_constant_reward_control_zeroes_the_advantages_while_the_discriminator_trains(tiny_dir, tokenizer):
     from test_gad import _critic, _gad_rollouts, gad_config
     from test_run import ONE_PROCESS, _policy
-    from objectives import Models, gad_rewards
+    from microbatch import Models
+    from objectives.gad import gad_rewards
     cfg = gad_config("--rollout.n=3", "--gad.reward=constant")
     rollouts = _gad_rollouts(tokenizer, cfg)
     critic = _critic(tiny_dir, lr=1e-2)
@@ -135,7 +136,7 @@ def test_constant_reward_control_zeroes_the_advantages_while_the_discriminator_t
     metrics = gad_rewards(rollouts, Models(_policy(tiny_dir), discriminator=critic), cfg, tokenizer.pad_token_id,
                           ONE_PROCESS)
     students = [r for r in rollouts if r.generated]
-    assert [r.advantage for r in students] == [0.0] * len(students) and metrics["gad/reward_mean"] == 0.0
+    assert [r.fields.advantage for r in students] == [0.0] * len(students) and metrics["gad/reward_mean"] == 0.0
     assert "gad/d_acc" in metrics and critic.steps == 1
     assert (critic.score(seqs, tokenizer.pad_token_id, "cpu") - pre).abs().max() > 1e-2  # it trained
-    assert all(r.trains_policy for r in students)  # in the GAD stage the KL to the start still moves it
+    assert all(r.fields.trains_policy for r in students)  # in the GAD stage the KL to the start still moves it

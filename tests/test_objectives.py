@@ -6,12 +6,11 @@ import pytest
 import torch
 
 import data
-import objectives
 import run
 import tiny_models
 from golden import CASES, COMMON, PATH, fingerprint
 from microbatch import Models
-from objectives import OBJECTIVES
+from objectives import OBJECTIVES, dpo
 from teacher import Teacher
 from test_loop import SteppingRecorder, fixed_rollouts, fixed_start
 from test_run import CPU, GradRecorder, NoSchedule, ONE_PROCESS, _policy, _rollouts
@@ -23,7 +22,7 @@ def new_loop_step(flags, rollouts=None, stepping=False):
     steps (tests/test_loop.py), so later mini-batches run off ratio 1, on test_loop's batch
     whose engine log-probs are the start's plus noise (the golden cases)."""
     tiny, tokenizer, cfg, objective, policy = fixed_start(flags)
-    teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate, _policy(tiny)) if "teacher" in objective.models else None
+    extra = objective.build_models(cfg, lambda: _policy(tiny), tiny, ONE_PROCESS)  # SDPO's teacher: the start
     recorder = SteppingRecorder(policy) if stepping else GradRecorder(policy)
     if stepping and rollouts is None:
         rollouts = fixed_rollouts(cfg.algo.name, policy.hf, tokenizer, cfg)
@@ -31,7 +30,7 @@ def new_loop_step(flags, rollouts=None, stepping=False):
         rollouts = run.sft_rollouts(tokenizer, data.task_rows("strops", "train", 6, seed=1), cfg, 0)
     elif rollouts is None:
         rollouts = _rollouts(tokenizer, cfg.algo.name)
-    trainer = run.Trainer(Models(policy, teacher), recorder, NoSchedule())
+    trainer = run.Trainer(Models(policy, **extra), recorder, NoSchedule())
     metrics, _ = run.update_policy(cfg, objective, trainer, rollouts, 0, tokenizer.pad_token_id, ONE_PROCESS)
     return recorder.grads, metrics
 
@@ -134,7 +133,7 @@ def _sdpo_update(flags, per_micro_batch: bool, monkeypatch):
     teacher = Teacher(cfg.sdpo.teacher, cfg.sdpo.teacher_rate, copy)
     monkeypatch.setattr(teacher_module.Teacher, "reads_policy", property(lambda self: per_micro_batch))
     recorder = GradRecorder(policy)
-    trainer = run.Trainer(Models(policy, teacher), recorder, NoSchedule())
+    trainer = run.Trainer(Models(policy, teacher=teacher), recorder, NoSchedule())
     metrics, _ = run.update_policy(cfg, OBJECTIVES[cfg.algo.name], trainer, _rollouts(tokenizer, cfg.algo.name), 0,
                                    tokenizer.pad_token_id, ONE_PROCESS)
     return recorder.grads, metrics, len(forwards)
@@ -191,11 +190,11 @@ def test_mask_truncated_leaves_every_dpo_pair_with_a_truncated_sample_out(tokeni
     for i, r in enumerate(rollouts):
         r.reward = float(i % 4 in (0, 2))  # two right, two wrong per prompt; 1, 6, 9 truncated
     cfg = run.parse_config(["--algo=dpo", "--dpo.pairs=all", "--train.mask_truncated=True", "--train.mini_batches=1"])
-    objectives.prepare_pairs(rollouts, tokenizer, cfg)
+    dpo.prepare_pairs(rollouts, tokenizer, cfg)
     expected = sum(1 for i in range(12) for j in range(12) if i // 4 == j // 4 and rollouts[i].reward > rollouts[j].reward
                    and i not in TRUNCATED and j not in TRUNCATED)
-    assert sum(len(r.preferred_over) for r in rollouts) == expected == 6  # of 12 without the flag
-    assert not any(r.paired for r in rollouts if r.truncated)
+    assert sum(len(r.fields.preferred_over) for r in rollouts) == expected == 6  # of 12 without the flag
+    assert not any(r.fields.paired for r in rollouts if r.truncated)
 
 
 def test_sdpo_divergence_by_sample_kind_is_the_divergence_of_those_samples_alone(tokenizer):
@@ -209,7 +208,7 @@ def test_sdpo_divergence_by_sample_kind_is_the_divergence_of_those_samples_alone
              "wrong": lambda r: r.reward < 0.5 and not r.truncated}
     total, tokens = 0.0, 0
     for name, of_kind in kinds.items():
-        alone = [r for r in rollouts if of_kind(r) and r.sdpo_mask > 0]
+        alone = [r for r in rollouts if of_kind(r) and r.fields.sdpo_mask > 0]
         _, own = new_loop_step(flags, copy.deepcopy(alone))
         assert metrics[f"sdpo/divergence_{name}"] == pytest.approx(own["sdpo/divergence"], rel=1e-4), name
         n = sum(len(r.response_ids) for r in alone)

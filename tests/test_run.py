@@ -20,11 +20,12 @@ import run
 import tiny_models
 import warm_start
 from microbatch import Models
-from objectives import OBJECTIVES
+from objectives import OBJECTIVES, grpo, hybrid, sdpo as sdpo_objective
 from rollout import Sample
 from teacher import Teacher
-from evaluate import context_entropies, paired_gain, row_success, stderr, teacher_gap, teacher_gap_warnings
-from logger import DEMO_RIGHT, DEMO_WRONG, FLAT_TEACHER_METRIC, FLAT_TEACHER_NATS
+from evaluate import (context_entropies, paired_gain, right_minus_wrong, row_success, stderr, teacher_gap,
+                      teacher_gap_warnings)
+from logger import DEMO_RIGHT, DEMO_WRONG, FLAT_TEACHER_METRIC, FLAT_TEACHER_NATS, RIGHT_MINUS_WRONG
 from policy import CausalLM, load_policy, lr_factor
 from feedback import reward_function
 from update import add_stats, rank_micro_batches, rank_share, reduce_stats, step_counts
@@ -166,17 +167,30 @@ def undocumented_metrics(keys) -> list:
         fnmatch.fnmatchcase(k, d) or fnmatch.fnmatchcase(d, k) for d in documented))
 
 
+def project_sources() -> list:
+    """Every Python file of the project, its packages' too (tasks/, feedback/, objectives/), less
+    the tests, the benches and vLLM's plugins."""
+    found = []
+    for folder, subfolders, files in os.walk(ROOT):
+        top = os.path.relpath(folder, ROOT).split(os.sep)[0]
+        subfolders[:] = [s for s in subfolders if not s.startswith((".", "__"))]
+        if top not in ("tests", "bench", "vllm_plugins", "runs"):
+            found += [os.path.join(folder, name) for name in files if name.endswith(".py")]
+    return sorted(found)
+
+
 def test_every_metric_the_code_names_is_documented():
     """Each key a module logs (a string literal in a metric namespace; an f-string's fields as `*`)
     has its row in docs/metrics.md; the end-to-end runs check what they logged the same way."""
     names = "|".join(METRIC_NAMESPACES)
     keys = set()
-    for name in os.listdir(ROOT):
-        if name.endswith(".py"):
-            with open(os.path.join(ROOT, name)) as f:
-                source = f.read()
-            keys |= set(re.findall(rf'(?<!\w)"((?:{names})/[\w@.]+)"', source))
-            keys |= {re.sub(r"\{[^}]*\}", "*", k) for k in re.findall(rf'f"((?:{names})/[\w@.{{}} +*]+)"', source)}
+    sources = project_sources()
+    assert {"objectives/sdpo.py", "tasks/quiz.py", "feedback/__init__.py"} <= {os.path.relpath(p, ROOT) for p in sources}
+    for path in sources:
+        with open(path) as f:
+            source = f.read()
+        keys |= set(re.findall(rf'(?<!\w)"((?:{names})/[\w@.]+)"', source))
+        keys |= {re.sub(r"\{[^}]*\}", "*", k) for k in re.findall(rf'f"((?:{names})/[\w@.{{}} +*]+)"', source)}
     assert len(keys) > 80  # the scan finds them
     assert undocumented_metrics(keys) == []
 
@@ -236,6 +250,7 @@ def test_frozen_teacher_never_moves_and_live_needs_no_copy(tiny_dir):
 
 def _rollouts(tokenizer, algo, n_prompts=3, n=4, seed=0, no_success=False):
     """Canned rollouts with uneven lengths, as prepare_rollouts would leave them."""
+    fields = {"sdpo": sdpo_objective.Fields, "hybrid": hybrid.Fields}.get(algo, grpo.Fields)
     g = torch.Generator().manual_seed(seed)
     rows = data.task_rows("strops", "train", n_prompts, seed=seed)
     out = []
@@ -247,7 +262,8 @@ def _rollouts(tokenizer, algo, n_prompts=3, n=4, seed=0, no_success=False):
             reward = 0.0 if no_success else float(j == 0)
             r = microbatch.Rollout(row=row, prompt_ids=prompt, response_ids=response,
                             rollout_logprobs=(-torch.rand(length, generator=g) * 5).tolist(),
-                            text="", truncated=False, reward=reward, advantage=float(torch.randn(1, generator=g)))
+                            text="", truncated=False, reward=reward, fields=fields())
+            r.fields.advantage = float(torch.randn(1, generator=g))  # drawn for every objective: the same rollouts
             out.append(r)
     if algo in ("sdpo", "hybrid"):
         import sdpo
@@ -256,7 +272,7 @@ def _rollouts(tokenizer, algo, n_prompts=3, n=4, seed=0, no_success=False):
                                       [tokenizer.decode(r.response_ids) for r in out], [r.reward for r in out],
                                       fb or [""] * len(out), sdpo.SdpoConfig(include_environment_feedback=True))
         for r, ids, m in zip(out, tb.input_ids, tb.mask):
-            r.teacher_ids, r.sdpo_mask = ids, float(m)
+            r.fields.teacher_ids, r.fields.sdpo_mask = ids, float(m)
     return out
 
 
@@ -297,14 +313,14 @@ def _grads(tiny_dir, tokenizer, algo, micro_batch, mini_batches=1, teacher_kind=
     teacher = Teacher(teacher_kind, cfg.sdpo.teacher_rate, _policy(tiny_dir) if teacher_kind != "live" else None)
     recorder = GradRecorder(policy)
     rollouts = _rollouts(tokenizer, algo)
-    metrics, _ = _update(cfg, run.Trainer(Models(policy, teacher), recorder, NoSchedule()), rollouts,
+    metrics, _ = _update(cfg, run.Trainer(Models(policy, teacher=teacher), recorder, NoSchedule()), rollouts,
                          tokenizer.pad_token_id)
     return recorder.grads, metrics
 
 
 @pytest.mark.parametrize("algo,flags", [("sdpo", {}), ("sdpo", {"chunked": False, "alpha": 1.0}),
-                                        ("sdpo", {"distill": "token"}), ("grpo", {}), ("gspo", {}),
-                                        ("hybrid", {})])
+                                        ("sdpo", {"distill": "token"}), ("sdpo", {"loss_agg": "seq_mean_token_mean"}),
+                                        ("grpo", {}), ("gspo", {}), ("hybrid", {})])
 def test_micro_batch_size_does_not_change_gradients(tiny_dir, tokenizer, algo, flags):
     one, metrics_one = _grads(tiny_dir, tokenizer, algo, 1, **flags)
     four, metrics_four = _grads(tiny_dir, tokenizer, algo, 4, **flags)
@@ -453,15 +469,15 @@ def test_the_eos_diagnostic_is_the_teachers_log_prob_of_stopping_minus_the_stude
     rollouts[1].truncated = True
     mb = microbatch.micro_batch(None, rollouts, step_counts(rollouts, OBJECTIVES[algo]), tokenizer.pad_token_id,
                                 CPU, None, 1)
-    _, stats = OBJECTIVES[algo].loss(mb, Models(policy, Teacher("ema", 0.05, teacher_model)), cfg)
+    _, stats = OBJECTIVES[algo].loss(mb, Models(policy, teacher=Teacher("ema", 0.05, teacher_model)), cfg)
 
     def last_token_logprob(model, ids):
         with torch.no_grad():
             logits = model.hf(input_ids=torch.tensor([ids])).logits[0, -2].float()
         return torch.log_softmax(logits, -1)[ids[-1]].item()
-    gaps = [last_token_logprob(teacher_model, r.teacher_ids) - last_token_logprob(policy, r.prompt_ids + r.response_ids)
-            for r in rollouts if r.sdpo_mask > 0 and not r.truncated]
-    assert 0 < len(gaps) < sum(r.sdpo_mask > 0 for r in rollouts)
+    gaps = [last_token_logprob(teacher_model, r.fields.teacher_ids) - last_token_logprob(policy, r.prompt_ids + r.response_ids)
+            for r in rollouts if r.fields.sdpo_mask > 0 and not r.truncated]
+    assert 0 < len(gaps) < sum(r.fields.sdpo_mask > 0 for r in rollouts)
     total, count = stats["sdpo/teacher_minus_student_logprob_eos"]
     assert count == len(gaps) and total == pytest.approx(sum(gaps), abs=1e-4)
 
@@ -476,18 +492,18 @@ def test_the_demonstration_diagnostic_splits_right_and_wrong_samples(tiny_dir, t
     for i, r in enumerate(rollouts):
         r.reward = float(i % 4 in (0, 1))  # two successes a group: each demonstrates for the other
         r.text, r.feedback = tokenizer.decode(r.response_ids), "Wrong Answer: input abc expected cba"
-    objectives.prepare_teacher_contexts(rollouts, tokenizer, cfg)
+    sdpo_objective.prepare_teacher_contexts(rollouts, tokenizer, cfg)
     mb = microbatch.micro_batch(None, rollouts, step_counts(rollouts, OBJECTIVES["sdpo"]), tokenizer.pad_token_id,
                                 CPU, None, 1)
-    _, stats = OBJECTIVES["sdpo"].loss(mb, Models(policy, Teacher("ema", 0.05, teacher_model)), cfg)
+    _, stats = OBJECTIVES["sdpo"].loss(mb, Models(policy, teacher=Teacher("ema", 0.05, teacher_model)), cfg)
 
     def response_logprobs(model, ids, length):
         with torch.no_grad():
             logits = model.hf(input_ids=torch.tensor([ids])).logits[0, -length - 1:-1].float()
         return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[-length:])[:, None]).squeeze(1)
     for name, right in (("demo_right", True), ("demo_wrong", False)):
-        chosen = [r for r in rollouts if r.teacher_context == "demonstration" and (r.reward >= 0.5) == right]
-        gaps = [response_logprobs(teacher_model, r.teacher_ids, len(r.response_ids))
+        chosen = [r for r in rollouts if r.fields.teacher_context == "demonstration" and (r.reward >= 0.5) == right]
+        gaps = [response_logprobs(teacher_model, r.fields.teacher_ids, len(r.response_ids))
                 - response_logprobs(policy, r.prompt_ids + r.response_ids, len(r.response_ids)) for r in chosen]
         total, count = stats[f"sdpo/teacher_minus_student_logprob_{name}"]
         assert len(chosen) == 6 and count == sum(len(g) for g in gaps)
@@ -496,16 +512,46 @@ def test_the_demonstration_diagnostic_splits_right_and_wrong_samples(tiny_dir, t
     assert both[0][1] + both[1][1] == both[2][1] and both[0][0] + both[1][0] == pytest.approx(both[2][0], abs=1e-4)
 
 
+def test_seq_mean_token_mean_is_the_mean_over_every_sample_of_its_token_mean(tiny_dir, tokenizer):
+    """--sdpo.loss_agg=seq_mean_token_mean, by hand: each sample's token mean of the per-token loss
+    (the token_mean loss of that sample alone), summed over the samples with a teacher context and
+    divided by all the step's samples, the 4 without a context counting 0 (lasgroup/SDPO's and
+    TRL's aggregation); computed in two micro-batches with the step's counts."""
+    flags = ["--algo=sdpo", "--sdpo.topk=8"]
+    token_cfg, seq_cfg = run.parse_config(flags), run.parse_config(flags + ["--sdpo.loss_agg=seq_mean_token_mean"])
+    models = Models(_policy(tiny_dir, seed=1), teacher=Teacher("ema", 0.05, _policy(tiny_dir, seed=2)))
+    rollouts = _rollouts(tokenizer, "sdpo")
+    for r in rollouts[:4]:  # the first prompt's samples: no teacher context
+        r.fields.sdpo_mask = 0.0
+    pad = tokenizer.pad_token_id
+
+    def loss(part, cfg, counts):
+        with torch.no_grad():
+            return sdpo_objective.sdpo_loss(microbatch.micro_batch(None, part, counts, pad, CPU, None, 1), models, cfg)[0].item()
+    means = [loss([r], token_cfg, step_counts([r], OBJECTIVES["sdpo"])) for r in rollouts if r.fields.sdpo_mask > 0]
+    counts = step_counts(rollouts, OBJECTIVES["sdpo"])
+    got = loss(rollouts[:5], seq_cfg, counts) + loss(rollouts[5:], seq_cfg, counts)
+    assert got == pytest.approx(sum(means) / len(rollouts), rel=1e-5)
+    assert abs(got - sum(means) / len(means)) > 1e-3 * abs(got)  # not over the distilled samples only
+    assert abs(got - loss(rollouts, token_cfg, counts)) > 1e-3 * abs(got)  # nor token_mean
+
+
+def test_seq_mean_token_mean_refuses_a_flag_that_changes_its_count():
+    for clash in ("--train.mask_truncated=True", "--algo.loss_agg_mode=token-mean"):
+        with pytest.raises(data.FlagError, match=f"--sdpo.loss_agg=seq_mean_token_mean .* {clash.split('=')[0]}"):
+            run.parse_config(["--algo=sdpo", "--sdpo.loss_agg=seq_mean_token_mean", clash])
+
+
 def test_no_success_and_no_feedback_gives_zero_sdpo_loss(tiny_dir, tokenizer):
     cfg = run.parse_config(["--algo=sdpo", "--sdpo.topk=8"])
     policy = _policy(tiny_dir)
     teacher = Teacher("ema", 0.05, _policy(tiny_dir))
     rollouts = _rollouts(tokenizer, "sdpo", no_success=True)
-    assert all(r.sdpo_mask == 0.0 for r in rollouts)
+    assert all(r.fields.sdpo_mask == 0.0 for r in rollouts)
     counts = step_counts(rollouts, OBJECTIVES["sdpo"])
     assert counts["tokens"] == 0 and counts["sequences"] == 0
     mb = microbatch.micro_batch(None, rollouts, counts, tokenizer.pad_token_id, CPU, None, 1)
-    loss, stats = objectives.sdpo_loss(mb, Models(policy, teacher), cfg)
+    loss, stats = sdpo_objective.sdpo_loss(mb, Models(policy, teacher=teacher), cfg)
     assert torch.isfinite(loss) and loss.item() == 0.0
     loss.backward()
     grads = [p.grad for p in policy.parameters() if p.grad is not None]
@@ -520,16 +566,17 @@ def test_a_batch_with_nothing_to_learn_runs_no_forward(tiny_dir, tokenizer, algo
     policy = _policy(tiny_dir)
     teacher = Teacher("ema", 0.5, _policy(tiny_dir)) if algo in ("sdpo", "hybrid") else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-    trainer = run.Trainer(Models(policy, teacher), optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
+    trainer = run.Trainer(Models(policy, teacher=teacher), optimizer,
+                          torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
     rollouts = _rollouts(tokenizer, algo, no_success=True)
     for r in rollouts:
-        r.advantage = 0.0  # every group tied
+        r.fields.advantage = 0.0  # every group tied
     forwards = []
     policy.register_forward_hook(lambda module, args, out: forwards.append(1))
     metrics, stepped = _update(cfg, trainer, rollouts, tokenizer.pad_token_id)
     assert not stepped and metrics["actor/skipped_steps"] == 2 and forwards == []
     if algo != "sdpo":  # one sample that can move the weights: its optimizer step runs
-        rollouts[0].advantage = 0.5
+        rollouts[0].fields.advantage = 0.5
         metrics, stepped = _update(cfg, trainer, rollouts, tokenizer.pad_token_id)
         assert forwards and stepped and metrics["actor/skipped_steps"] == 1
 
@@ -542,10 +589,11 @@ def test_a_batch_with_nothing_to_learn_takes_no_optimizer_step(tiny_dir, tokeniz
     policy, copy = _policy(tiny_dir, seed=4), _policy(tiny_dir)
     teacher = Teacher("ema", 0.5, copy) if algo == "sdpo" else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.1)
-    trainer = run.Trainer(Models(policy, teacher), optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
+    trainer = run.Trainer(Models(policy, teacher=teacher), optimizer,
+                          torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
     rollouts = _rollouts(tokenizer, algo, no_success=True)
     for r in rollouts:
-        r.advantage = 0.0  # every group tied
+        r.fields.advantage = 0.0  # every group tied
     before = [p.detach().clone() for p in policy.parameters()]
     teacher_before = [p.detach().clone() for p in copy.parameters()]
     metrics, stepped = _update(cfg, trainer, rollouts, tokenizer.pad_token_id)
@@ -642,14 +690,14 @@ def test_prepare_rollouts_scores_advantages_and_teacher_contexts(tokenizer):
     assert [r.reward for r in rollouts] == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     assert rollouts[0].feedback  # strops feedback names a failing case
     # Dr. GRPO: reward minus the group's mean, not divided by its std
-    assert [r.advantage for r in rollouts] == pytest.approx([-1 / 3, 2 / 3, -1 / 3, 0, 0, 0], abs=1e-6)
+    assert [r.fields.advantage for r in rollouts] == pytest.approx([-1 / 3, 2 / 3, -1 / 3, 0, 0, 0], abs=1e-6)
     # row 0's failures are shown its success; the success has no other to see (not itself); row 1's
     # samples are shown their own feedback
-    assert [r.sdpo_mask for r in rollouts] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
-    assert [r.teacher_context for r in rollouts] == ["demonstration", "", "demonstration"] + ["feedback"] * 3
+    assert [r.fields.sdpo_mask for r in rollouts] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [r.fields.teacher_context for r in rollouts] == ["demonstration", "", "demonstration"] + ["feedback"] * 3
     for r in rollouts:
-        assert r.teacher_ids[-len(r.response_ids):] == r.response_ids
-    teacher_prompt = lambda r: tokenizer.decode(r.teacher_ids[:-len(r.response_ids)])
+        assert r.fields.teacher_ids[-len(r.response_ids):] == r.response_ids
+    teacher_prompt = lambda r: tokenizer.decode(r.fields.teacher_ids[:-len(r.response_ids)])
     assert rows[0]["reference"] in teacher_prompt(rollouts[0]) and rollouts[0].feedback not in teacher_prompt(rollouts[0])
     assert rows[0]["reference"] not in teacher_prompt(rollouts[1])
     assert rollouts[4].feedback.strip() in teacher_prompt(rollouts[4])
@@ -659,7 +707,7 @@ def test_prepare_rollouts_scores_advantages_and_teacher_contexts(tokenizer):
     cfg = run.parse_config(["--algo=hybrid", "--rollout.n=3", "--algo.norm_adv_by_std=True"])
     rollouts, _ = run.prepare_rollouts(engine, tokenizer, rows, cfg, OBJECTIVES["hybrid"], 0)
     std = (1 / 3) ** 0.5
-    assert [r.advantage for r in rollouts] == pytest.approx([-1 / 3 / std, 2 / 3 / std, -1 / 3 / std, 0, 0, 0],
+    assert [r.fields.advantage for r in rollouts] == pytest.approx([-1 / 3 / std, 2 / 3 / std, -1 / 3 / std, 0, 0, 0],
                                                             abs=1e-5)
     assert metrics["reward/success_rate"] == pytest.approx(sum(r.reward >= 0.5 for r in rollouts) / 6)
     # --sdpo.distill_successes=False: the success, shown its own answer, would be distilled; routed it
@@ -668,11 +716,11 @@ def test_prepare_rollouts_scores_advantages_and_teacher_contexts(tokenizer):
     shown, _ = run.prepare_rollouts(engine, tokenizer, rows, run.parse_config(flags), OBJECTIVES["hybrid"], 0)
     routed, _ = run.prepare_rollouts(engine, tokenizer, rows, run.parse_config(flags + ["--sdpo.distill_successes=False"]),
                                      OBJECTIVES["hybrid"], 0)
-    assert [r.sdpo_mask for r in shown] == [1.0] * 6
-    assert [r.sdpo_mask for r in routed] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
-    assert [r.teacher_context for r in routed] == ["demonstration", "", "demonstration"] + ["feedback"] * 3
-    assert [r.advantage for r in routed] == [r.advantage for r in shown]
-    assert [r.teacher_ids for i, r in enumerate(routed) if i != 1] == [r.teacher_ids for i, r in enumerate(shown) if i != 1]
+    assert [r.fields.sdpo_mask for r in shown] == [1.0] * 6
+    assert [r.fields.sdpo_mask for r in routed] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [r.fields.teacher_context for r in routed] == ["demonstration", "", "demonstration"] + ["feedback"] * 3
+    assert [r.fields.advantage for r in routed] == [r.fields.advantage for r in shown]
+    assert [r.fields.teacher_ids for i, r in enumerate(routed) if i != 1] == [r.fields.teacher_ids for i, r in enumerate(shown) if i != 1]
 
 
 def test_samples_log_holds_one_sample_per_prompt_with_reward_and_feedback(tokenizer, tmp_path):
@@ -731,31 +779,45 @@ def test_a_slightly_flatter_teacher_is_warned_when_it_stays_so(tmp_path, capsys)
     assert err.count("WARNING") == 1 and "step 14:" in err and "average over the last 5 steps" in err
 
 
-def test_a_teacher_that_lowers_right_answers_as_much_as_wrong_ones_is_warned(tmp_path, capsys):
+def test_a_teacher_whose_right_minus_wrong_is_within_noise_of_0_is_warned(tmp_path, capsys):
     """Per-step values the runs logged: the default strops job and SmolLM2-135M's SDPO at the
-    pretrained preset, where SDPO lost 7.4 points (bench/real_model.py --algos sdpo_demo)."""
+    pretrained preset, where SDPO lost 7.4 points (bench/real_model.py --algos sdpo_demo); the
+    warning reads right minus wrong against its standard error over 5 steps, not either side's sign."""
     cfg = run.parse_config([f"--log.out_dir={tmp_path}", "--log.wandb_mode=disabled"])
     logger = run.Logger(cfg, 0)
-    # the default job: right answers about unchanged, wrong ones lowered ~0.5 nats; and a step
-    # whose right value is -0.254 (its window still averages +0.010)
+    # the default job: right answers about unchanged, wrong ones lowered ~0.5 nats
     default_job = [(-0.033, -0.549), (0.056, -0.579), (0.005, -0.608), (0.278, -0.543), (-0.036, -0.654),
                    (-0.254, -0.668), (-0.046, -0.546)]
     for step, (right, wrong) in enumerate(default_job, start=1):
         logger.log(step, {DEMO_RIGHT: right, DEMO_WRONG: wrong})
-    # a teacher that lowers right answers too, but wrong ones far more, still tells them apart
+    # a teacher that lowers right answers a lot, and wrong ones more, every step: it tells them apart
     for step in range(8, 14):
-        logger.log(step, {DEMO_RIGHT: -0.15, DEMO_WRONG: -0.7})
+        logger.log(step, {DEMO_RIGHT: -0.5 - 0.01 * step, DEMO_WRONG: -0.9})
     assert "WARNING" not in capsys.readouterr().err
-    logger = run.Logger(cfg, 0)
+    logger.close()
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert RIGHT_MINUS_WRONG in records[0] and f"{RIGHT_MINUS_WRONG}_stderr" not in records[0]  # one step: no SE
+    window = [r - w for r, w in default_job[2:7]]  # steps 3-7
+    mean = sum(window) / 5
+    assert records[6][RIGHT_MINUS_WRONG] == pytest.approx(mean)
+    assert records[6][f"{RIGHT_MINUS_WRONG}_stderr"] == pytest.approx(
+        (sum((d - mean) ** 2 for d in window) / 4 / 5) ** 0.5)
     # SmolLM2: steps 5 and 8 had no right sample shown a demonstration (no value logged)
     smollm2 = [(-0.219, -0.159), (-0.235, -0.232), (-0.137, -0.172), (-0.015, -0.322), (None, -0.226),
                (-0.219, -0.188), (-0.223, -0.168), (None, -0.149), (-0.134, -0.147)]
+    logger = run.Logger(run.parse_config([f"--log.out_dir={tmp_path / 'smollm2'}", "--log.wandb_mode=disabled"]), 0)
     for step, (right, wrong) in enumerate(smollm2, start=1):
         logger.log(step, {DEMO_WRONG: wrong} if right is None else {DEMO_RIGHT: right, DEMO_WRONG: wrong})
     logger.close()
     err = capsys.readouterr().err
-    # steps 1-4 and 6 average -0.165 right, -0.215 wrong: the first window of five with data
-    assert err.count("WARNING") == 1 and "WARNING step 6:" in err and "(-0.165 nats" in err and "(-0.215)" in err
+    # steps 1-4 and 6: right minus wrong -0.060, -0.003, +0.035, +0.307, -0.031: +0.050 ± 0.066
+    assert err.count("WARNING") == 1 and "WARNING step 6:" in err and "=+0.050 ± 0.066 nats" in err
+    # a teacher that raises right and wrong answers alike tells them apart no better: warned too
+    logger = run.Logger(run.parse_config([f"--log.out_dir={tmp_path / 'alike'}", "--log.wandb_mode=disabled"]), 0)
+    for step, right in enumerate([0.21, 0.19, 0.22, 0.18, 0.2], start=1):
+        logger.log(step, {DEMO_RIGHT: right, DEMO_WRONG: 0.2})
+    logger.close()
+    assert "WARNING step 5:" in capsys.readouterr().err
 
 
 def test_data_file_split_is_announced_and_an_empty_split_is_an_error(tmp_path, capsys):
@@ -1077,6 +1139,25 @@ def test_teacher_gap_warns_where_a_context_adds_nothing_or_is_flatter():
     assert teacher_gap_warnings({"eval/success_rate": 0.3}) == []  # no --teacher_gap: nothing to judge
 
 
+def test_right_minus_wrong_is_the_difference_of_the_per_sample_means_with_its_standard_error():
+    got = right_minus_wrong([0.1, 0.3], [-0.2, 0.0, -0.1])
+    assert got["eval/teacher_gap_right_minus_wrong"] == pytest.approx(0.3)
+    # the sample variances 0.02 and 0.01, over 2 and 3 samples
+    assert got["eval/teacher_gap_right_minus_wrong_stderr"] == pytest.approx((0.02 / 2 + 0.01 / 3) ** 0.5)
+    assert right_minus_wrong([0.1], [0.0, 0.2]) == {}  # one right sample: no standard error
+
+
+def test_teacher_gap_warns_where_the_teacher_likes_right_and_wrong_answers_alike():
+    """Not the sign: a teacher below the student on both kinds, right well above wrong, is fine;
+    right minus wrong within two standard errors of 0, or below, warns."""
+    base = {"eval/success_rate": 0.3, "eval/success_stderr": 0.02}
+    apart = {"eval/teacher_gap_right_minus_wrong": 0.30, "eval/teacher_gap_right_minus_wrong_stderr": 0.05}
+    assert teacher_gap_warnings({**base, **apart}) == []
+    for gap in (0.09, -0.2):
+        got = teacher_gap_warnings({**base, **apart, "eval/teacher_gap_right_minus_wrong": gap})
+        assert len(got) == 1 and f"eval/teacher_gap_right_minus_wrong={gap:+.3f} ± 0.050" in got[0]
+
+
 def test_eval_only_teacher_gap_prints_its_warnings_and_logs_the_gap(tiny_dir, tokenizer, tmp_path, capsys):
     """The engine copies a shown demonstration and otherwise fails: the feedback context adds
     nothing (0% against the bare 0%), which --eval_only --teacher_gap says on stderr."""
@@ -1362,12 +1443,12 @@ def test_a_model_of_ones_own_gets_the_pretrained_preset_and_the_run_says_so(tiny
 
 
 def test_every_recipe_sets_known_flags_only(monkeypatch):
-    import config
+    import flags
     import tasks
-    assert {"tiny", "strops", "quiz", "shapes"} <= set(config.recipe_names())
-    for name in config.recipe_names():
+    assert {"tiny", "strops", "quiz", "shapes"} <= set(flags.recipe_names())
+    for name in flags.recipe_names():
         for algo in OBJECTIVES:
-            config.apply_flags(config.Config(), config.recipe_flags(name, algo), name)
+            flags.apply_flags(flags.Config(), flags.recipe_flags(name, algo), name)
     monkeypatch.setattr(tasks.TASKS["quiz"], "RECIPE", {"optim.learning_rate": 1e-5})
     with pytest.raises(ValueError, match="tasks/quiz.py: no flag --optim.learning_rate"):
         run.parse_config(["--recipe=quiz"])

@@ -27,7 +27,7 @@ import microbatch
 import tasks
 import tiny_models
 import warm_start
-from config import parse_config
+from flags import parse_config
 from data import DataError
 from image_prompts import ImagePrompts
 from tasks import TaskConfig
@@ -688,7 +688,7 @@ class SeeingEngine:
 def test_blind_check_scores_the_rows_with_blank_pictures_and_pairs_the_gap(vlm_tokenizer):
     """--eval_only --blind: the same rows with every picture white and the same size; a model
     that reads the picture loses what the picture told it, row by row."""
-    from config import parse_config
+    from flags import parse_config
     from evaluate import blind_check, evaluate
     rows = data.task_rows("shapes", "test", 12)
     # pictures of different sizes: each blank one must take its own picture's
