@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import chunked_head
 import microbatch
-from distributed import Dist, full_tensor, rank0_call, reshard
+from distributed import RANK0_WAIT, Dist, full_tensor, rank0_call, reshard
 from policy import CausalLM, pad_token_id, tensor_identity
 
 
@@ -224,23 +224,28 @@ class PolicySource:
         """Rank 0, before each pass of its trainer engine: the other ranks start theirs."""
         self.gathered = 0
         if self.d.world > 1:
-            dist.broadcast_object_list(["pass"], src=0)
+            self._tell(["pass"])
 
     def done(self):
         """Rank 0: no more passes."""
         if self.d.world > 1:
-            dist.broadcast_object_list(["done"], src=0)
+            self._tell(["done"])
 
     def follow(self, trainer_engine):
         """Ranks other than 0: a pass of trainer_engine (this rank's, not the sender) with each of
         rank 0's, until it is done."""
         trainer_engine.source = self
-        while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0)
-            if box[0] != "pass":
-                return
+        while self._tell([None]) == "pass":
             trainer_engine.send_weights()
+
+    @staticmethod
+    def _tell(box: list):
+        """Rank 0's word to the other ranks. They wait for it at a barrier without a time limit,
+        not in the broadcast under the group's timeout: before a sync rank 0 may wait long for
+        the engine (a batch generated ahead, a slow server), as in distributed.rank0_call."""
+        dist.barrier(timeout=RANK0_WAIT)
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
 
 class LLMClient:
