@@ -115,9 +115,24 @@ def main(out_dir, model_dir, d):
     result["ranks_agree"] = all(g == gathered[0] for g in gathered)
 
     if rank == 0:
-        engine.close()
+        result["weight_group_closed"] = close_recording_the_weight_group(engine)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+def close_recording_the_weight_group(engine) -> bool:
+    """engine.close(), on rank 0: whether it destroyed the weight group its trainer engine held
+    (the workers' side ends with the engine's process; a served engine's: ServedEngine.close)."""
+    import sync
+    module, transfer = sync.transfer_module(), engine._transfer
+    transfer.group = getattr(transfer.group, "group", transfer.group)  # record_order's wrapper off
+    real, destroyed = module.stateless_destroy_torch_distributed_process_group, []
+    module.stateless_destroy_torch_distributed_process_group = lambda group: (real(group), destroyed.append(group))
+    try:
+        engine.close()
+    finally:
+        module.stateless_destroy_torch_distributed_process_group = real
+    return len(destroyed) == 1 and engine._transfer is None
 
 
 def group_vs_file(engine, policy, tokenizer, d, probe, change, first_version) -> dict:

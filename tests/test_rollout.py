@@ -515,6 +515,7 @@ def test_two_rank_torchrun_sync(tiny_dir, tmp_path):
     assert max_diff(r0["engine_after"], r0["engine_before"]) > 0.05
     # the trainers' all-reduce still works after the engine started: 1 + 2
     assert r0["all_reduce"] == r1["all_reduce"] == 3.0
+    assert r0["weight_group_closed"]  # the engine's close destroyed rank 0's side of the weight group
     check_group_vs_file(r0, r1)  # two more steps, each synced both ways
     # a sync that silently leaves out a tensor, or a bucket in bf16, is named on every rank
     for r in (r0, r1):
