@@ -377,10 +377,10 @@ class LocalTrainerInitInfo(TrainerInitInfo):
     bucket_bytes: int = 512 << 20
 
 
-class LocalTrainerWeightTransferEngine(TrainerWeightTransferEngine):
-    """Trainer side of sdpo_local (one process: the trainer and its engine): the source's tensors,
-    a bucket's worth at a time, handed to the engine's update_weights by reference."""
-    init_info_cls = LocalTrainerInitInfo
+class OursTrainerEngine(TrainerWeightTransferEngine):
+    """The trainer side of our backends: every rank iterates the source (each tensor an FSDP2
+    all-gather, complete before it is yielded); the sender joins the workers at init (`join`) and
+    ships the tensors between the workers' start and finish (`ship`)."""
     info = None
 
     @classmethod
@@ -388,18 +388,31 @@ class LocalTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.info = init_info
         if engine.is_sender:
-            client.init_weight_transfer_engine({})
+            engine.join(client)
         return engine
 
     def send_weights(self):
         meta = self.source.metadata()
         if not self.is_sender:
-            for _ in self.source:
+            for _ in self.source:  # this rank's part of each gather
                 pass
             return
         self.client.start_weight_update()
+        self.ship(NCCLTrainerWeightTransferEngine._checked_iter(self.source, meta), meta)
+        self.client.finish_weight_update()
+
+
+class LocalTrainerWeightTransferEngine(OursTrainerEngine):
+    """Trainer side of sdpo_local (one process: the trainer and its engine): the source's tensors,
+    a bucket's worth at a time, handed to the engine's update_weights by reference."""
+    init_info_cls = LocalTrainerInitInfo
+
+    def join(self, client):
+        client.init_weight_transfer_engine({})
+
+    def ship(self, pairs, meta):
         names, tensors, held = [], [], 0
-        for name, tensor in NCCLTrainerWeightTransferEngine._checked_iter(self.source, meta):
+        for name, tensor in pairs:
             names.append(name)
             tensors.append(tensor)
             held += tensor.numel() * tensor.element_size()
@@ -408,7 +421,6 @@ class LocalTrainerWeightTransferEngine(TrainerWeightTransferEngine):
                 names, tensors, held = [], [], 0
         if names:
             self.client.update_weights({"names": names, "tensors": tensors})
-        self.client.finish_weight_update()
 
 
 @dataclass
@@ -423,46 +435,33 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = 600.0
 
 
-class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
-    """Trainer side of sdpo_gloo. Every rank iterates the source (each tensor an FSDP2 all-gather,
-    complete before it is yielded); the sender packs the tensors into buckets and broadcasts each,
+class GlooTrainerWeightTransferEngine(OursTrainerEngine):
+    """Trainer side of sdpo_gloo: the sender packs the tensors into buckets and broadcasts each,
     waiting for it to arrive before it takes the next tensor, while the workers' update_weights
     receives them. A failure stops the sending, not the iteration: the other ranks' gathers
     complete, then the sender raises."""
     init_info_cls = GlooTrainerInitInfo
     group = None
-    info = None
 
-    @classmethod
-    def trainer_init(cls, init_info, *, client, source=None):
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
-        engine.info = init_info
-        if engine.is_sender:  # the workers join while this process opens the group; a failure of either ends both
-            worker = GlooWeightTransferInitInfo(init_info.master_address, init_info.master_port, 1,
-                                                init_info.world_size, init_info.bucket_bytes, init_info.timeout_s)
-            joining = Job(lambda: client.init_weight_transfer_engine(asdict(worker)))
-            opening = Job(lambda: open_group(init_info.master_address, init_info.master_port, 0,
-                                             init_info.world_size, init_info.timeout_s))
-            joining.result(opening)
-            engine.group = opening.result(joining)
-        return engine
+    def join(self, client):
+        """The workers join while this process opens the group; a failure of either ends both."""
+        info = self.info
+        worker = GlooWeightTransferInitInfo(info.master_address, info.master_port, 1, info.world_size,
+                                            info.bucket_bytes, info.timeout_s)
+        joining = Job(lambda: client.init_weight_transfer_engine(asdict(worker)))
+        opening = Job(lambda: open_group(info.master_address, info.master_port, 0, info.world_size, info.timeout_s))
+        joining.result(opening)
+        self.group = opening.result(joining)
 
-    def send_weights(self):
-        meta = self.source.metadata()
-        if not self.is_sender:
-            for _ in self.source:
-                pass
-            return
+    def ship(self, pairs, meta):
         info = GlooWeightTransferUpdateInfo([m.name for m in meta], [str(m.dtype).split(".")[-1] for m in meta],
                                             [list(m.shape) for m in meta])
-        self.client.start_weight_update()
         receiving = Job(lambda: self.client.update_weights(asdict(info)))
-        error = self._broadcast(NCCLTrainerWeightTransferEngine._checked_iter(self.source, meta), info, receiving)
+        error = self._broadcast(pairs, info, receiving)
         if error is not None:
             self.shutdown()  # in an unknown state; the next sync opens a new one
             raise error
         receiving.result()
-        self.client.finish_weight_update()
 
     def _broadcast(self, pairs, info, receiving: Job):
         """The buckets, each sent once its tensors are in; the first error, after the whole pass."""
