@@ -7,6 +7,7 @@ import sys
 import time
 
 from config import Config, save_config
+from errors import disk_full, no_space
 
 # A teacher flatter than its student pulls the student towards a flatter distribution: one step
 # above 0.1 nats, or a mean above 0 over 5 steps, warns (the thresholds' measurements: docs/loop.md)
@@ -49,7 +50,7 @@ class Logger:
         if rank != 0:
             return
         save_config(cfg, cfg.log.out_dir)
-        self.file = open(os.path.join(cfg.log.out_dir, "metrics.jsonl"), "a")
+        self.file = open(os.path.join(cfg.log.out_dir, "metrics.jsonl"), "ab", buffering=0)
         if cfg.log.wandb_mode != "disabled":
             import wandb
             # its banner (integrations it detected, product hints) means nothing here: one line instead
@@ -63,8 +64,7 @@ class Logger:
         if self.rank != 0:
             return
         record = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        self.append(self.file, json.dumps(record) + "\n")
         if self.run is not None:
             self.run.log(record, step=step)
         # early warnings on stderr, each once, the first time its metric crosses its threshold
@@ -127,11 +127,26 @@ class Logger:
         records = [{"step": step, "prompt": r.row["messages"][-1]["content"], "response": r.text, "reward": r.reward,
                     "feedback": r.feedback, "truncated": r.truncated, "uid": r.row["uid"]} for r in firsts]
         if self.samples is None:
-            self.samples = open(os.path.join(self.cfg.log.out_dir, "samples.jsonl"), "a")
-        self.samples.write("".join(json.dumps(rec) + "\n" for rec in records))
-        self.samples.flush()
+            self.samples = open(os.path.join(self.cfg.log.out_dir, "samples.jsonl"), "ab", buffering=0)
+        self.append(self.samples, "".join(json.dumps(rec) + "\n" for rec in records))
         if self.run is not None and records:
             self.run.log({"samples": samples_table(records)}, step=step)
+
+    def append(self, file, text: str):
+        """Append text to file (opened unbuffered), whole or not at all: a write a full disk cuts
+        short is undone, so that metrics.jsonl never holds a partial line, and the run stops with
+        one message naming the folder (errors.no_space)."""
+        data, start = memoryview(text.encode()), os.lseek(file.fileno(), 0, os.SEEK_END)
+        try:
+            while data:
+                data = data[os.write(file.fileno(), data):]
+        except OSError as e:
+            os.ftruncate(file.fileno(), start)
+            out = self.cfg.log.out_dir
+            if not disk_full(e, out):
+                raise
+            raise no_space(out, os.path.basename(file.name), f"it keeps its whole lines; free space there and continue "
+                           f"from the run's last checkpoint with --train.resume {out} (none: start the run again)") from e
 
     def progress(self, start: int, total: int):
         """A progress bar at step start of total, which each log() from here on advances."""
@@ -150,7 +165,7 @@ class Logger:
         with open(path + ".partial", "w") as f:
             f.writelines(kept)
         os.replace(path + ".partial", path)
-        self.file = open(path, "a")
+        self.file = open(path, "ab", buffering=0)
 
     def close(self):
         if self.bar is not None:

@@ -8,6 +8,7 @@ uninterrupted run, and an engine process killed under two-rank torchrun stops bo
 with an EngineError.
 """
 import contextlib
+import errno
 import json
 import os
 import re
@@ -126,6 +127,127 @@ def test_resumed_metrics_file_drops_the_steps_after_the_checkpoint(tmp_path):
     logger.log(3, {"reward/mean": 0.9})
     logger.close()
     assert [(r["step"], r["reward/mean"]) for r in _metrics(str(tmp_path))] == [(0, 0.0), (1, 0.1), (2, 0.2), (3, 0.9)]
+
+
+# ----------------------------------------------------------------------------------------
+# a full disk: the run stops naming it, loses nothing, and --train.resume continues
+
+
+FULL_DISK_RUN = ["--algo=sft", "--train.steps=2", "--train.save_every=1", "--train.prompts_per_step=2", "--train.mini_batches=1",
+                 "--train.eval_every=0", "--log.wandb_mode=disabled", "--log.progress=False"]
+
+
+class FullDisk:
+    """The disk of a run's out_dir fills at its first write into `where` (a checkpoint, a line of
+    metrics.jsonl after `lines` whole ones, or the final model): that write fails part-way as on
+    a full disk, and from then on the disk reads 0 bytes free. A checkpoint's shard fails as on a
+    2 MiB tmpfs (measured): torch.save turns the ENOSPC into a RuntimeError, "unexpected pos"."""
+
+    def __init__(self, monkeypatch, out, where, lines=1):
+        import collections
+        import shutil
+        import transformers
+        from torch.distributed.checkpoint import filesystem
+        self.full, self.out = False, out
+        usage, real_usage = collections.namedtuple("usage", "total used free"), shutil.disk_usage
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(2 ** 30, 2 ** 30, 0) if self.full else real_usage(p))
+        if where == "metrics.jsonl":
+            real_write, written = os.write, []
+
+            def write(fd, data):
+                if self.metrics_fd(fd) and (written.append(1) or len(written) > lines):
+                    if not self.full:
+                        self.full = True
+                        return real_write(fd, bytes(data)[:len(data) // 2])
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return real_write(fd, data)
+            monkeypatch.setattr(os, "write", write)
+        elif where == "final":
+            real_save = transformers.PreTrainedModel.save_pretrained
+
+            def save_pretrained(model, directory, *args, **kwargs):
+                if os.path.basename(directory) != "final.partial":
+                    return real_save(model, directory, *args, **kwargs)
+                os.makedirs(directory, exist_ok=True)
+                with open(os.path.join(directory, "model.safetensors"), "wb") as f:
+                    f.write(b"half a model")
+                self.full = True
+                raise OSError(errno.ENOSPC, "No space left on device")
+            monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", save_pretrained)
+        else:
+            real_stream = filesystem.FileSystem.create_stream
+            disk = self
+
+            class Stream:  # a shard file that takes 1,000 bytes, then none
+                def __init__(self, f):
+                    self.f, self.n = f, 0
+
+                def write(self, b):
+                    if self.n + len(b) > 1000:
+                        disk.full = True
+                        raise OSError(errno.ENOSPC, "No space left on device")
+                    self.n += len(b)
+                    return self.f.write(b)
+
+                def __getattr__(self, name):
+                    return getattr(self.f, name)
+
+            @contextlib.contextmanager
+            def create_stream(fs, path, mode):
+                with real_stream(fs, path, mode) as f:
+                    yield Stream(f) if f"{where}.partial" in str(path) and "w" in mode else f
+            monkeypatch.setattr(filesystem.FileSystem, "create_stream", create_stream)
+
+    def metrics_fd(self, fd):
+        path = self.out / "metrics.jsonl"
+        with contextlib.suppress(OSError):
+            return os.path.samestat(os.fstat(fd), os.stat(path))
+        return False
+
+
+@pytest.fixture(scope="module")
+def never_full(tmp_path_factory):
+    """FULL_DISK_RUN with room to the end: what a stopped run must resume to."""
+    out = tmp_path_factory.mktemp("never_full") / "run"
+    assert run.cli(FULL_DISK_RUN + [f"--log.out_dir={out}"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("where,resumes_from", [("checkpoint-2", "checkpoint-1"), ("metrics.jsonl", "checkpoint-1"),
+                                                ("final", "checkpoint-2")])
+def test_a_full_disk_stops_the_run_naming_the_folder_and_resume_continues_it(where, resumes_from, never_full,
+                                                                            tiny_dir, tmp_path, monkeypatch, capsys):
+    """ENOSPC while the run writes a checkpoint, a line of metrics.jsonl or the final model: one
+    message naming the folder and its free space, no traceback; the partial files gone, the
+    checkpoint before it whole, metrics.jsonl whole lines; --train.resume from the folder ends
+    with the metrics and weights of the run that had room."""
+    out = tmp_path / "run"
+    with monkeypatch.context() as m:
+        disk = FullDisk(m, out, where)
+        assert run.cli(FULL_DISK_RUN + [f"--log.out_dir={out}"]) == 1
+        assert disk.full
+    err = capsys.readouterr().err
+    assert err == (f"error: no space left on the disk of {out} while writing {where} (0 GiB free now): "
+                   + (f"free space there and continue from {resumes_from} with --train.resume {out}\n"
+                      if where != "metrics.jsonl" else
+                      f"it keeps its whole lines; free space there and continue from the run's last checkpoint "
+                      f"with --train.resume {out} (none: start the run again)\n")), err
+    assert not [name for name in os.listdir(out) if name.endswith(".partial")]
+    assert run.checkpoint_path(str(out)) == str(out / resumes_from)
+    assert run.load_checkpoint(str(out / resumes_from), _trainer(tiny_dir), run.parse_config(FULL_DISK_RUN),
+                               ONE_PROCESS)[0] == int(resumes_from.split("-")[1])
+    text = (out / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and [json.loads(line)["step"] for line in text.splitlines()] == \
+        ([1] if where == "metrics.jsonl" else [1, 2])
+
+    assert run.cli(FULL_DISK_RUN + [f"--log.out_dir={out}", f"--train.resume={out}"]) == 0
+    wall_clock = ("time/", "throughput/")
+    want, got = ([{k: v for k, v in r.items() if not k.startswith(wall_clock)} for r in _metrics(d)]
+                 for d in (never_full, out))
+    assert got == want and [r["step"] for r in got] == [1, 2]
+    resumed = _final_weights(out)
+    for name, tensor in _final_weights(never_full).items():
+        assert torch.equal(tensor, resumed[name]), name
 
 
 # ----------------------------------------------------------------------------------------
