@@ -23,9 +23,9 @@ import data
 import losses
 import sdpo
 from distributed import Dist, reshard
-from microbatch import (MicroBatch, Models, Rollout, aggregate, engine_correction, forward, idle_forward,
-                        logprob_head, masked_stat, old_or_current, pack, policy_logprobs, response_logprobs,
-                        rollout_stats, share_prompts, stats_by_kind)
+from microbatch import (MicroBatch, Models, Rollout, aggregate, clip_fraction, correction_stats, engine_correction,
+                        forward, idle_forward, logprob_head, masked_stat, old_or_current, pack, policy_logprobs,
+                        response_logprobs, rollout_stats, share_prompts, stats_by_kind)
 
 
 # ----------------------------------------------------------------------------------------
@@ -57,8 +57,9 @@ def clipped_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor, 
         per_token, clipped = losses.ppo_clip_loss(mb.matrix(logprobs), mb.matrix(old), advantages,
                                                   cfg.algo.eps_low, cfg.algo.eps_high)
         mode = "token-mean"
-    loss = aggregate(mb, per_token * engine_correction(mb, old, cfg), mask, cfg, mode)
-    stats = rollout_stats(mb, old, entropy)
+    correction = engine_correction(mb, old, cfg)
+    loss = aggregate(mb, per_token * correction, mask, cfg, mode)
+    stats = {**rollout_stats(mb, old, entropy), **correction_stats(correction, mask, cfg)}
     stats["actor/pg_clipfrac"] = masked_stat(clipped.float(), mask)
     return loss, stats
 
@@ -199,9 +200,12 @@ def sdpo_loss(mb: MicroBatch, models: Models, cfg):
     old = old_or_current(mb, current)
     mask = mb.per_sequence(lambda r: r.sdpo_mask)[:, None] * mb.response_mask
     is_clip = losses.importance_weights(mb.matrix(current), mb.matrix(old), cfg.sdpo.is_clip)
-    per_token = mb.matrix(loss) * is_clip * engine_correction(mb, old, cfg)
+    correction = engine_correction(mb, old, cfg)
+    per_token = mb.matrix(loss) * is_clip * correction
     divergence = mb.matrix(loss).detach()
-    stats = {**rollout_stats(mb, old, entropy), "sdpo/divergence": masked_stat(divergence, mask)}
+    stats = {**rollout_stats(mb, old, entropy), **correction_stats(correction, mask, cfg),
+             "sdpo/divergence": masked_stat(divergence, mask),
+             "sdpo/is_clipfrac": clip_fraction(is_clip, cfg.sdpo.is_clip, mask)}
     right = lambda r: r.reward >= cfg.sdpo.success_threshold
     stats.update(stats_by_kind(mb, divergence, mask, {  # partitions the covered samples
         "sdpo/divergence_right": lambda r: right(r) and not r.truncated,
