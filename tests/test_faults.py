@@ -40,10 +40,14 @@ def _trainer(tiny_dir, lr=1e-2):
     return run.Trainer(microbatch.Models(policy), optimizer, scheduler)
 
 
-def _step(trainer):
-    """One optimizer step that moves every weight, so that checkpoints of two steps differ."""
+def _step(trainer, seed):
+    """One optimizer step that moves every weight, so that checkpoints of two steps differ, on
+    seeded random gradients of every sign and of sizes spread over orders of magnitude: on a
+    constant gradient AdamW's bias-corrected step is lr·sign(g) whatever its state, so a resume
+    that lost the moments or the step count would take the same step."""
+    g = torch.Generator().manual_seed(seed)
     for p in trainer.models.policy.parameters():
-        p.grad = torch.ones_like(p)
+        p.grad = torch.randn(p.shape, generator=g) * torch.randn(p.shape, generator=g).mul(2).exp()
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
 
@@ -52,13 +56,24 @@ def _weights(trainer):
     return [p.detach().clone() for p in trainer.models.policy.parameters()]
 
 
+def _drop_state(optimizer):
+    """What a resume that restored the weights alone would hold: a fresh AdamW."""
+    optimizer.state.clear()
+
+
+def _drop_step_count(optimizer):
+    """AdamW's moments, but its step count (the bias correction's) back at 1."""
+    for state in optimizer.state.values():
+        state["step"].fill_(1)
+
+
 def test_resume_takes_the_latest_complete_checkpoint_of_an_out_dir(tiny_dir, tmp_path):
     cfg = run.parse_config(["--train.off_policy_steps=1"])
     trainer = _trainer(tiny_dir)
-    _step(trainer)
+    _step(trainer, 1)
     run.save_checkpoint(str(tmp_path / "checkpoint-1"), trainer, 1, None, ONE_PROCESS)
     after_one = _weights(trainer)
-    _step(trainer)
+    _step(trainer, 2)
     batch = ([microbatch.Rollout(row={"uid": "a"}, prompt_ids=[1], response_ids=[2], rollout_logprobs=[-0.5],
                                  text="x", truncated=False, policy_version=1)], {"reward/mean": 0.25})
     run.save_checkpoint(str(tmp_path / "checkpoint-2"), trainer, 2, batch, ONE_PROCESS, first_eval=[0.25, 1.0, 0.0])
@@ -77,9 +92,15 @@ def test_resume_takes_the_latest_complete_checkpoint_of_an_out_dir(tiny_dir, tmp
     assert step == 2 and metrics == {"reward/mean": 0.25} and first_eval == [0.25, 1.0, 0.0]
     assert rollouts[0].policy_version == 1 and rollouts[0].rollout_logprobs == [-0.5]
     assert all(torch.equal(a, b) for a, b in zip(_weights(fresh), _weights(trainer)))
-    # the state of the optimizer came back too: the next steps agree
-    _step(fresh), _step(trainer)
-    assert all(torch.equal(a, b) for a, b in zip(_weights(fresh), _weights(trainer)))
+    # the state of the optimizer came back too: the next steps agree, and would not without it
+    _step(trainer, 3)
+    for lose, agrees in ((None, True), (_drop_state, False), (_drop_step_count, False)):
+        again = _trainer(tiny_dir)
+        run.load_checkpoint(str(tmp_path / "checkpoint-2"), again, cfg, ONE_PROCESS)
+        if lose:
+            lose(again.optimizer)
+        _step(again, 3)
+        assert all(torch.equal(a, b) for a, b in zip(_weights(again), _weights(trainer))) == agrees, lose
     # a synchronous run resuming the same checkpoint generates its batch itself
     assert run.load_checkpoint(str(tmp_path / "checkpoint-2"), fresh, run.parse_config([]), ONE_PROCESS)[1] is None
 
@@ -93,7 +114,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tiny_dir, tmp_path,
     path = str(tmp_path / "checkpoint-1")
     run.save_checkpoint(path, trainer, 1, None, ONE_PROCESS)
     saved = _weights(trainer)
-    _step(trainer)
+    _step(trainer, 1)
     real_save = dcp.save
 
     def dies_after_writing(state, checkpoint_id):
