@@ -373,7 +373,13 @@ def test_each_batch_comes_from_the_weights_before_the_last_update(tiny_dir, toke
     # on a CPU, once the teacher's forward, which gains the most from the cores, is done
     for t in (0, 1):
         assert updates[t]["teacher_done"] <= generations[t + 1]["start"] < updates[t]["end"]
-    assert all(r["time/wait_rollout_s"] >= 0 and r["time/wait_sync_s"] >= 0 for r in records)
+    # the waits the run logs are those of this timeline: the engine idle from the end of its last
+    # generation to the start of each load, and the trainer waiting for batch 0 while it was generated
+    for record, load in zip(records, loads):
+        idle = load["start"] - max(g["end"] for g in generations if g["end"] <= load["start"])
+        assert record["time/wait_sync_s"] == pytest.approx(idle, abs=0.2), (record["step"], idle)
+    first = generations[0]["end"] - generations[0]["start"]
+    assert first <= records[0]["time/wait_rollout_s"] <= records[0]["time/step_s"], first
 
 
 # ----------------------------------------------------------------------------------------
@@ -381,21 +387,17 @@ def test_each_batch_comes_from_the_weights_before_the_last_update(tiny_dir, toke
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # GRPO's two-rank asynchronous run is tests/test_faults.py's engine-kill run
-def test_two_rank_torchrun_sdpo_generates_ahead(tmp_path):
-    out = str(tmp_path / "sdpo")
-    (tmp_path / "parity.py").write_text(PARITY_REWARD)
-    _run(SMALL + ["--algo=sdpo", "--train.steps=3", "--train.off_policy_steps=1", "--train.eval_every=3",
-                  f"--data.reward={tmp_path / 'parity.py'}:reward", f"--log.out_dir={out}"], nproc=2)
+@pytest.mark.extended  # SDPO's two-rank asynchronous run is tests/test_faults.py's engine-kill run
+def test_two_rank_torchrun_grpo_generates_ahead(tmp_path):
+    """GRPO on tests/parity_reward.py: a reward that differs within a group, so that every step has
+    an update to correct for staleness (a step whose groups all tie runs no forward)."""
+    out = str(tmp_path / "grpo")
+    _run(SMALL + ["--algo=grpo", "--train.steps=3", "--train.off_policy_steps=1", "--train.eval_every=3",
+                  f"--data.reward={ROOT}/tests/parity_reward.py:parity", f"--log.out_dir={out}"], nproc=2)
     steps = check_generated_ahead(_metrics(out), 3)
     assert "eval/success_rate" in steps[-1]
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
-
-
-# a reward that differs within a group, so that every step has an update to correct for staleness
-# (the untrained model's strops rewards all tie, and a step whose groups all tie runs no forward)
-PARITY_REWARD = "def reward(response, row, truncated):\n    return float(len(response) % 2)\n"
 
 
 def check_generated_ahead(records, steps):

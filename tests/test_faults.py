@@ -25,7 +25,8 @@ import data
 import microbatch
 import objectives
 import run
-from test_run import ONE_PROCESS, ROOT, SMALL, _free_port, _metrics, _policy
+from test_run import (ONE_PROCESS, ROOT, SMALL, WALL_CLOCK, _free_port, _metrics, _policy,
+                      check_agrees_with_one_rank)
 from checkpoint import parameter_count
 
 
@@ -154,8 +155,8 @@ def test_resumed_metrics_file_drops_the_steps_after_the_checkpoint(tmp_path):
 # a full disk: the run stops naming it, loses nothing, and --train.resume continues
 
 
-FULL_DISK_RUN = ["--algo=sft", "--train.steps=2", "--train.save_every=1", "--train.prompts_per_step=2", "--train.mini_batches=1",
-                 "--train.eval_every=0", "--log.wandb_mode=disabled", "--log.progress=False"]
+FULL_DISK_RUN = ["--algo=sft", "--train.steps=2", "--train.save_every=1", "--train.prompts_per_step=2",
+                 "--train.mini_batches=1", "--train.eval_every=0", "--log.wandb_mode=disabled", "--log.progress=False"]
 
 
 class FullDisk:
@@ -262,8 +263,7 @@ def test_a_full_disk_stops_the_run_naming_the_folder_and_resume_continues_it(whe
         ([1] if where == "metrics.jsonl" else [1, 2])
 
     assert run.cli(FULL_DISK_RUN + [f"--log.out_dir={out}", f"--train.resume={out}"]) == 0
-    wall_clock = ("time/", "throughput/")
-    want, got = ([{k: v for k, v in r.items() if not k.startswith(wall_clock)} for r in _metrics(d)]
+    want, got = ([{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in _metrics(d)]
                  for d in (never_full, out))
     assert got == want and [r["step"] for r in got] == [1, 2]
     resumed = _final_weights(out)
@@ -400,8 +400,10 @@ def _running(p):
 # real runs, killed
 
 
+# A run that learns: about half of each group succeeds (tests/parity_reward.py), so successes,
+# demonstrations, feedback contexts and held-out success at step 0 are all in what a resume restores.
 KILLED_RUN = SMALL + ["--algo=sdpo", "--train.steps=4", "--train.save_every=1", "--train.eval_every=4",
-                      "--train.off_policy_steps=1"]
+                      "--train.off_policy_steps=1", f"--data.reward={ROOT}/tests/parity_reward.py:parity"]
 
 
 def _start(args, nproc=1):
@@ -466,12 +468,14 @@ def _resumes_to_the_uninterrupted_run(stopped, whole):
     assert proc.returncode == 0, output[-5000:]
     want, got = _metrics(whole), _metrics(stopped)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3, 4]
-    wall_clock = ("time/", "throughput/", "sync/seconds")
     for w, g in zip(want, got):
-        compared = {k: v for k, v in w.items() if not k.startswith(wall_clock)}
+        compared = {k: v for k, v in w.items() if not k.startswith(WALL_CLOCK)}
         assert {k: g.get(k) for k in compared} == compared, w["step"]
     assert [r["async/staleness"] for r in got[1:]] == [0, 1, 1, 1]
-    assert any(r["actor/grad_norm"] > 0 for r in got[1:])
+    # what was resumed learns: successes, demonstrations and feedback, a gradient at every step
+    assert all(0 < r["reward/success_rate"] < 1 and r["sdpo/samples_with_successful_sibling"] > 0
+               and "sdpo/teacher_minus_student_logprob_demo" in r and r["actor/grad_norm"] > 0 for r in got[1:])
+    assert any(r["sdpo/feedback_used"] > 0 for r in got[1:]) and 0 < got[0]["eval/success_rate"] < 1
     resumed = _final_weights(stopped)
     for name, tensor in _final_weights(whole).items():
         assert torch.equal(tensor, resumed[name]), name
@@ -492,19 +496,16 @@ def _engine_core(proc):
 
 
 @pytest.mark.slow
-def test_engine_killed_mid_step_stops_both_ranks_with_an_engine_error(tmp_path):
-    """Two-rank torchrun of GRPO, asynchronous: the steps before the kill generate ahead as
-    they should (tests/test_async.py check_generated_ahead; this is the suite's two-rank
-    asynchronous run). Then kill -9 of the engine core once step 2 is logged (the engine is
-    then generating batch 3 in the background, or loading weights): both ranks stop with an
-    EngineError well within the RPC timeout, and the checkpoint of the last finished step is
-    complete."""
-    from test_async import PARITY_REWARD, check_generated_ahead
+def test_engine_killed_mid_step_stops_both_ranks_with_an_engine_error(uninterrupted, tmp_path):
+    """Two-rank torchrun of KILLED_RUN (SDPO, asynchronous; the suite's two-rank asynchronous
+    run): the steps before the kill generate ahead as they should (tests/test_async.py
+    check_generated_ahead) and give the one-rank run's figures (check_agrees_with_one_rank).
+    Then kill -9 of the engine core once step 2 is logged (the engine is then generating batch
+    3 in the background, or loading weights): both ranks stop with an EngineError well within
+    the RPC timeout, and the checkpoint of the last finished step is complete."""
+    from test_async import check_generated_ahead
     out = str(tmp_path / "run")
-    (tmp_path / "parity.py").write_text(PARITY_REWARD)
-    proc = _start(SMALL + ["--algo=grpo", "--train.steps=8", "--train.save_every=1", "--train.eval_every=0",
-                           "--train.off_policy_steps=1", "--rollout.rpc_timeout_s=300",
-                           f"--data.reward={tmp_path / 'parity.py'}:reward", f"--log.out_dir={out}"], nproc=2)
+    proc = _start(KILLED_RUN + ["--train.steps=8", "--rollout.rpc_timeout_s=300", f"--log.out_dir={out}"], nproc=2)
     _wait_for(lambda: 2 in _steps_logged(out), proc, "step 2")
     engine = _engine_core(proc)
     assert engine is not None
@@ -522,6 +523,7 @@ def test_engine_killed_mid_step_stops_both_ranks_with_an_engine_error(tmp_path):
     resume_from = run.checkpoint_path(out)
     assert os.path.exists(os.path.join(resume_from, ".metadata"))
     check_generated_ahead(_metrics(out), 2)
+    check_agrees_with_one_rank(_metrics(out), _metrics(uninterrupted), 2)
 
 
 @pytest.mark.slow

@@ -651,15 +651,20 @@ def test_engine_rollouts_score_the_same_in_the_trainer(engine, vlm_tokenizer, po
 @pytest.mark.slow
 def test_two_rank_torchrun_sdpo_on_the_picture_task(tmp_path):
     """FSDP2 over two ranks with the vision tower sharded, uneven micro-batches (an idle rank
-    runs the tower on a blank picture), every sync proven by the image probe."""
-    from test_run import SMALL, _run, check_two_rank_run
-    out = str(tmp_path / "sdpo")
+    runs the tower on a blank picture), every sync proven by the image probe, the figures of
+    the one-rank run."""
+    from test_run import SMALL, _metrics, _run, check_agrees_with_one_rank, check_two_rank_run
     # 16 rollouts in mini-batches of 6/5/5 and micro-batches of 2: one rank runs fewer
-    # micro-batches and must still join FSDP's and the teacher's collectives. The one
-    # two-rank SDPO run of the suite: the text model's path is the same code without the tower.
-    proc = _run(SMALL + ["--data.task=shapes", "--algo=sdpo", "--train.mini_batches=3", "--train.micro_batch=2",
-                         "--sdpo.teacher_micro_batch=2", f"--log.out_dir={out}"], nproc=2, timeout=600)
+    # micro-batches and must still join FSDP's and the teacher's collectives; the one-rank run
+    # of the same flags gives the same figures (the text model's path is the same code without
+    # the tower: tests/test_faults.py's engine-kill run compares it so)
+    flags = SMALL + ["--data.task=shapes", "--algo=sdpo", "--train.mini_batches=3", "--train.micro_batch=2",
+                     "--sdpo.teacher_micro_batch=2"]
+    out, alone = str(tmp_path / "sdpo"), str(tmp_path / "alone")
+    proc = _run(flags + [f"--log.out_dir={out}"], nproc=2, timeout=600)
     steps = check_two_rank_run(proc, out)
+    _run(flags + [f"--log.out_dir={alone}"], timeout=600)
+    check_agrees_with_one_rank(_metrics(out), _metrics(alone), 2)
     assert all(r["rollout/mismatch_kl"] < 1e-4 for r in steps)
     from transformers import AutoModelForImageTextToText
     AutoModelForImageTextToText.from_pretrained(os.path.join(out, "final"))
