@@ -5,6 +5,7 @@ killed run never leaves a half-written one under a name that is read later."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from data import PathError
+from errors import disk_full, no_space
 from distributed import Dist, rank0_call
 from sync import full_state_dict
 
@@ -138,24 +140,29 @@ def save_checkpoint(path: str, trainer: Trainer, step: int, next_batch, d: Dist,
     """Policy, optimizer, the optional models and the RNG state (every rank its shards) and, generating
     ahead, rank 0's next_batch (generated with the weights before this update, which a resumed run no
     longer has), and first_eval (the held-out rows' success at step 0, which later gains pair with);
-    written as path.partial and renamed when complete (the module's docstring)."""
+    written as path.partial and renamed when complete (the module's docstring). A full disk stops
+    the run naming it, the checkpoints before this one whole (whole_or_named)."""
     import torch.distributed.checkpoint as dcp
     partial = path + ".partial"
     if d.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
     barrier(d)
-    dcp.save(checkpoint_state(trainer, step), checkpoint_id=partial)  # fsyncs its files
-    if d.rank == 0:
-        if first_eval is not None:
-            with open(os.path.join(partial, FIRST_EVAL), "w") as f:
-                json.dump(first_eval, f)
-        if next_batch is not None:
-            with open(os.path.join(partial, NEXT_BATCH), "wb") as f:
-                torch.save(next_batch, f)
-                f.flush()
-                os.fsync(f.fileno())
+    state = checkpoint_state(trainer, step)
+    with whole_or_named(partial, os.path.basename(path), d):  # dcp raises a rank's failure on every rank
+        dcp.save(state, checkpoint_id=partial)  # fsyncs its files
+
+    def finish():  # rank 0's files, then the rename; its error reaches every rank (rank0_call)
+        with whole_or_named(partial, os.path.basename(path), dataclasses.replace(d, world=1)):
+            if first_eval is not None:
+                with open(os.path.join(partial, FIRST_EVAL), "w") as f:
+                    json.dump(first_eval, f)
+            if next_batch is not None:
+                with open(os.path.join(partial, NEXT_BATCH), "wb") as f:
+                    torch.save(next_batch, f)
+                    f.flush()
+                    os.fsync(f.fileno())
         replace_dir(partial, path)
-    barrier(d)
+    rank0_call(d, finish, share=False)
 
 
 def load_checkpoint(path: str, trainer: Trainer, cfg: Config, d: Dist):
@@ -215,17 +222,50 @@ def checkpoint_state(trainer: Trainer, step: int) -> dict:
 
 def save_hf(path: str, policy, tokenizer, d: Dist):
     """An ordinary HF directory (transformers and vLLM load it), written whole or not at all
-    (the warm-start cache takes a directory with a config.json as complete)."""
+    (the warm-start cache takes a directory with a config.json as complete); a full disk stops
+    the run naming it (whole_or_named)."""
     state = full_state_dict(policy, d.world)
-    if d.rank == 0:
+
+    def write():
         partial = path + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
-        policy.hf.save_pretrained(partial, state_dict=state)
-        tokenizer.save_pretrained(partial)
-        if policy.vision is not None:
-            policy.vision.processor.save_pretrained(partial)
+        with whole_or_named(partial, os.path.basename(path), dataclasses.replace(d, world=1)):
+            policy.hf.save_pretrained(partial, state_dict=state)
+            tokenizer.save_pretrained(partial)
+            if policy.vision is not None:
+                policy.vision.processor.save_pretrained(partial)
         replace_dir(partial, path)
-    barrier(d)
+    rank0_call(d, write, share=False)
+
+
+@contextlib.contextmanager
+def whole_or_named(partial: str, what: str, d: Dist):
+    """Writing `partial`, a directory renamed into place once complete, on every rank of d (all
+    of them raise what one raised): an error of a full disk (errors.disk_full) removes it on
+    rank 0, so that the space and every directory written before stay, and stops the run with
+    one message naming the folder, its free space and the checkpoint to resume from; any other
+    error is left as it is."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+    try:
+        yield
+    except (Exception, CheckpointException) as e:
+        folder = os.path.dirname(os.path.abspath(partial))
+        full = disk_full(e, folder)
+        barrier(d)  # every rank has looked at the disk before rank 0 frees the partial's space
+        if not full:
+            raise
+        if d.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise no_space(folder, what, resume_hint(folder)) from e
+
+
+def resume_hint(out_dir: str) -> str:
+    """What a run stopped by a full disk in out_dir continues from, and how."""
+    try:
+        latest = checkpoint_path(out_dir)
+    except PathError:
+        return "free space there and start the run again (it wrote no checkpoint)"
+    return f"free space there and continue from {os.path.basename(latest)} with --train.resume {out_dir}"
 
 
 def replace_dir(src: str, dst: str):

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from config import save_config
+from errors import disk_full, no_space
 
 if TYPE_CHECKING:
     from config import Config
@@ -58,7 +59,7 @@ class Logger:
         if rank != 0:
             return
         save_config(cfg, cfg.log.out_dir)
-        self.file = open(os.path.join(cfg.log.out_dir, "metrics.jsonl"), "a")
+        self.file = open(os.path.join(cfg.log.out_dir, "metrics.jsonl"), "ab", buffering=0)
         if cfg.log.wandb_mode != "disabled":
             import wandb
             # its banner (integrations it detected, product hints) means nothing here: one line instead
@@ -73,8 +74,7 @@ class Logger:
             return
         record = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         record.update(self.right_minus_wrong(record))
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        self.append(self.file, json.dumps(record) + "\n")
         if self.run is not None:
             self.run.log(record, step=step)
         # early warnings on stderr, each once, the first time its metric crosses its threshold
@@ -148,11 +148,26 @@ class Logger:
         records = [{"step": step, "prompt": r.row["messages"][-1]["content"], "response": r.text, "reward": r.reward,
                     "feedback": r.feedback, "truncated": r.truncated, "uid": r.row["uid"]} for r in firsts]
         if self.samples is None:
-            self.samples = open(os.path.join(self.cfg.log.out_dir, "samples.jsonl"), "a")
-        self.samples.write("".join(json.dumps(rec) + "\n" for rec in records))
-        self.samples.flush()
+            self.samples = open(os.path.join(self.cfg.log.out_dir, "samples.jsonl"), "ab", buffering=0)
+        self.append(self.samples, "".join(json.dumps(rec) + "\n" for rec in records))
         if self.run is not None and records:
             self.run.log({"samples": samples_table(records)}, step=step)
+
+    def append(self, file, text: str):
+        """Append text to file (opened unbuffered), whole or not at all: a write a full disk cuts
+        short is undone, so that metrics.jsonl never holds a partial line, and the run stops with
+        one message naming the folder (errors.no_space)."""
+        data, start = memoryview(text.encode()), os.lseek(file.fileno(), 0, os.SEEK_END)
+        try:
+            while data:
+                data = data[os.write(file.fileno(), data):]
+        except OSError as e:
+            os.ftruncate(file.fileno(), start)
+            out = self.cfg.log.out_dir
+            if not disk_full(e, out):
+                raise
+            raise no_space(out, os.path.basename(file.name), f"it keeps its whole lines; free space there and continue "
+                           f"from the run's last checkpoint with --train.resume {out} (none: start the run again)") from e
 
     def progress(self, start: int, total: int):
         """A progress bar at step start of total, which each log() from here on advances."""
@@ -161,7 +176,8 @@ class Logger:
                         disable=self.rank != 0 or not self.cfg.log.progress)
 
     def truncate(self, step: int):
-        """Drop the records after step (a resumed run logs them again)."""
+        """Drop the records after step (a resumed run logs them again), and take the windows of the
+        records kept back, so that a resumed run logs what the uninterrupted one does."""
         if self.rank != 0:
             return
         path = self.file.name
@@ -171,7 +187,11 @@ class Logger:
         with open(path + ".partial", "w") as f:
             f.writelines(kept)
         os.replace(path + ".partial", path)
-        self.file = open(path, "a")
+        self.file = open(path, "ab", buffering=0)
+        for record in map(json.loads, kept):
+            self.right_minus_wrong(record)
+            if FLAT_TEACHER_METRIC in record:
+                self.recent_gaps = (self.recent_gaps + [record[FLAT_TEACHER_METRIC]])[-FLAT_TEACHER_WINDOW:]
 
     def close(self):
         if self.bar is not None:

@@ -231,6 +231,17 @@ def rollout_stats(mb: MicroBatch, old_logprobs: torch.Tensor, entropy: torch.Ten
     }
 
 
+def clip_fraction(weights: torch.Tensor, cap: float, mask: torch.Tensor) -> tuple[float, float]:
+    """The (sum, count) share of mask's tokens whose truncated IS weight [B, R] is at its cap."""
+    return masked_stat((weights >= cap).float(), mask)
+
+
+def correction_stats(correction: torch.Tensor, mask: torch.Tensor, cfg) -> dict:
+    """is/clipfrac: the share of the loss's tokens whose engine correction [B, R] is at
+    --rollout.is_cap (none when the correction is off)."""
+    return {"is/clipfrac": clip_fraction(correction, cfg.rollout.is_cap, mask)} if cfg.rollout.is_correction else {}
+
+
 def masked_stat(values: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
     """The (sum, count) statistic of values over a mask of the same shape (a weighted mean once reduced)."""
     return (values.detach() * mask).sum().item(), mask.sum().item()

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 import losses
-from microbatch import (MicroBatch, Models, Objective, aggregate, engine_correction, give_fields, masked_stat,
-                        old_or_current, policy_logprobs, rollout_stats)
+from microbatch import (MicroBatch, Models, Objective, aggregate, correction_stats, engine_correction, give_fields,
+                        masked_stat, old_or_current, policy_logprobs, rollout_stats)
 
 
 @dataclass
@@ -55,8 +55,9 @@ def clipped_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor, 
         per_token, clipped = losses.ppo_clip_loss(mb.matrix(logprobs), mb.matrix(old), advantages,
                                                   cfg.algo.eps_low, cfg.algo.eps_high)
         mode = "token-mean"
-    loss = aggregate(mb, per_token * engine_correction(mb, old, cfg), mask, cfg, mode)
-    stats = rollout_stats(mb, old, entropy)
+    correction = engine_correction(mb, old, cfg)
+    loss = aggregate(mb, per_token * correction, mask, cfg, mode)
+    stats = {**rollout_stats(mb, old, entropy), **correction_stats(correction, mask, cfg)}
     stats["actor/pg_clipfrac"] = masked_stat(clipped.float(), mask)
     return loss, stats
 

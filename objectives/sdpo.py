@@ -18,8 +18,9 @@ import chunked_head
 import losses
 from config import check_bounds
 from errors import FlagError
-from microbatch import (MicroBatch, Models, Objective, aggregate, engine_correction, forward, give_fields, idle_forward,
-                        masked_stat, old_or_current, pack, rollout_stats, stats_by_kind)
+from microbatch import (MicroBatch, Models, Objective, aggregate, clip_fraction, correction_stats, engine_correction,
+                        forward, give_fields, idle_forward, masked_stat, old_or_current, pack, rollout_stats,
+                        stats_by_kind)
 from sdpo import SdpoConfig, build_teacher_batch
 from teacher import Teacher
 
@@ -194,9 +195,12 @@ def sdpo_loss(mb: MicroBatch, models: Models, cfg):
     old = old_or_current(mb, current)
     mask = mb.per_sequence(lambda r: r.fields.sdpo_mask)[:, None] * mb.response_mask
     is_clip = losses.importance_weights(mb.matrix(current), mb.matrix(old), cfg.sdpo.is_clip)
-    per_token = mb.matrix(loss) * is_clip * engine_correction(mb, old, cfg)
+    correction = engine_correction(mb, old, cfg)
+    per_token = mb.matrix(loss) * is_clip * correction
     divergence = mb.matrix(loss).detach()
-    stats = {**rollout_stats(mb, old, entropy), "sdpo/divergence": masked_stat(divergence, mask)}
+    stats = {**rollout_stats(mb, old, entropy), **correction_stats(correction, mask, cfg),
+             "sdpo/divergence": masked_stat(divergence, mask),
+             "sdpo/is_clipfrac": clip_fraction(is_clip, cfg.sdpo.is_clip, mask)}
     right = lambda r: r.reward >= cfg.sdpo.success_threshold
     stats.update(stats_by_kind(mb, divergence, mask, {  # partitions the covered samples
         "sdpo/divergence_right": lambda r: right(r) and not r.truncated,

@@ -205,15 +205,35 @@ def test_on_a_cpu_the_next_batch_starts_after_the_teacher_forward_once(teacher, 
 
 # tests/golden_run.json holds the metrics this run logged with the synchronous loop (first
 # recorded before --train.off_policy_steps existed, at 716c2b3, and found identical; re-recorded
-# when the tiny model's recipe changed, and when the run took tests/parity_reward.py, with
-# which about half of each group succeeds: successes, demonstrations, feedback contexts and
-# held-out success all appear in it). Mini-batches of single shuffled samples, the layout of
-# then. `PYTHONPATH=. python tests/test_async.py` rewrites the file from the current code.
+# when the tiny model's recipe changed, when the run took tests/parity_reward.py, and when it
+# took a short warm start). The warm start (4 SFT steps at a high rate, cached like any) teaches
+# the tiny model to stop: about half of its responses end with EOS within --rollout.max_tokens
+# and the rest are cut, and a cut response fails (cut_fails), so the EOS diagnostic, the
+# truncated samples' figures and a reward that reads `truncated` are pinned; the RL rate moves
+# the student off its EMA teacher, so the divergence (~1e-2) and SDPO's IS clip move too. About
+# a third of each step's samples succeed: successes, demonstrations, feedback contexts and
+# held-out success all appear. Mini-batches of single shuffled samples, the layout of the
+# first recording. `PYTHONPATH=. python tests/test_async.py` rewrites the file from the current code.
 GOLDEN_RUN = SMALL + ["--algo=sdpo", "--train.steps=4", "--train.mini_batches=2", "--train.eval_every=2",
-                      "--train.shuffle_samples=True", f"--data.reward={ROOT}/tests/parity_reward.py:parity"]
+                      "--train.shuffle_samples=True", f"--data.reward={ROOT}/tests/parity_reward.py:parity",
+                      '--data.reward_kwargs={"cut_fails": true}', "--train.warm_start_steps=4",
+                      "--train.warm_start_batch=16", "--train.warm_start_lr=1e-2", "--optim.lr=1e-2"]
 NOT_COMPARED = ("time/", "throughput/", "sync/seconds")  # wall-clock figures
 # float rounding alone (the engine against the trainer, both float32): bounded, not pinned
 ROUNDING = {"rollout/mismatch_kl": 1e-9, "sync/probe_max_abs_diff": 1e-4}
+# The trainer's figures are float32 sums, which other SIMD kernels and thread counts order otherwise.
+# Each one's tolerance (absolute) is 10 times the largest difference between two of six settings
+# (ATEN_CPU_CAPABILITY default, avx2, avx512 x 1 or 2 threads, each with its own tiny model and warm
+# start: `python tests/golden.py --spread`; the table and its machine: docs/results.md, Tests). Every
+# other figure (rewards, lengths, counts, held-out success, clip fractions) was the same in all six,
+# so it is compared to the bit.
+TOLERANCE = {
+    "actor/entropy": 2e-3, "actor/grad_norm": 6e-4, "actor/loss": 1e-4, "is/ratio_max": 2e-5, "is/ratio_mean": 1e-6,
+    "sdpo/divergence": 9e-5, "sdpo/divergence_right": 4e-5, "sdpo/divergence_truncated": 9e-5,
+    "sdpo/divergence_wrong": 2e-4, "sdpo/teacher_entropy": 3e-4, "sdpo/teacher_minus_student_entropy": 2e-3,
+    "sdpo/teacher_minus_student_logprob_demo": 2e-3, "sdpo/teacher_minus_student_logprob_demo_right": 4e-4,
+    "sdpo/teacher_minus_student_logprob_demo_wrong": 2e-3, "sdpo/teacher_minus_student_logprob_eos": 6e-3,
+    "sdpo/teacher_minus_student_logprob_feedback": 6e-4}
 
 
 def _comparable(records):
@@ -246,12 +266,16 @@ def test_synchronous_loop_gives_the_numbers_of_the_loop_before_it(synchronous_ru
     assert any(r["sdpo/feedback_used"] > 0 for r in steps)  # a group without a success
     assert all("sdpo/teacher_minus_student_logprob_demo" in r for r in steps)
     assert all(records[s]["eval/success_rate"] > 0 for s in (0, 2, 4))
+    # responses that end and responses that are cut, a divergence and an IS clip that move
+    assert all(0 < r["response/truncated_frac"] < 1 and r["sdpo/divergence"] > 1e-3 for r in steps)
+    assert all("sdpo/teacher_minus_student_logprob_eos" in r and "sdpo/divergence_truncated" in r for r in steps)
+    assert any(r["sdpo/is_clipfrac"] > 0 for r in steps)
     for got, want in zip(_comparable(records), _comparable(golden["records"])):
         for key, value in want.items():  # new metrics may be added; none may change
             if key in ROUNDING:
                 assert abs(got[key]) <= ROUNDING[key], (got["step"], key)
-            else:  # relative: float rounding differs with the machine, a real change is far larger
-                assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-9), (got["step"], key)
+            else:
+                assert got[key] == pytest.approx(value, rel=0, abs=TOLERANCE.get(key, 0)), (got["step"], key)
     assert all(r["async/staleness"] == 0 for r in records[1:])
 
 
@@ -353,7 +377,13 @@ def test_each_batch_comes_from_the_weights_before_the_last_update(tiny_dir, toke
     # on a CPU, once the teacher's forward, which gains the most from the cores, is done
     for t in (0, 1):
         assert updates[t]["teacher_done"] <= generations[t + 1]["start"] < updates[t]["end"]
-    assert all(r["time/wait_rollout_s"] >= 0 and r["time/wait_sync_s"] >= 0 for r in records)
+    # the waits the run logs are those of this timeline: the engine idle from the end of its last
+    # generation to the start of each load, and the trainer waiting for batch 0 while it was generated
+    for record, load in zip(records, loads):
+        idle = load["start"] - max(g["end"] for g in generations if g["end"] <= load["start"])
+        assert record["time/wait_sync_s"] == pytest.approx(idle, abs=0.2), (record["step"], idle)
+    first = generations[0]["end"] - generations[0]["start"]
+    assert first <= records[0]["time/wait_rollout_s"] <= records[0]["time/step_s"], first
 
 
 # ----------------------------------------------------------------------------------------
@@ -361,21 +391,17 @@ def test_each_batch_comes_from_the_weights_before_the_last_update(tiny_dir, toke
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # GRPO's two-rank asynchronous run is tests/test_faults.py's engine-kill run
-def test_two_rank_torchrun_sdpo_generates_ahead(tmp_path):
-    out = str(tmp_path / "sdpo")
-    (tmp_path / "parity.py").write_text(PARITY_REWARD)
-    _run(SMALL + ["--algo=sdpo", "--train.steps=3", "--train.off_policy_steps=1", "--train.eval_every=3",
-                  f"--data.reward={tmp_path / 'parity.py'}:reward", f"--log.out_dir={out}"], nproc=2)
+@pytest.mark.extended  # SDPO's two-rank asynchronous run is tests/test_faults.py's engine-kill run
+def test_two_rank_torchrun_grpo_generates_ahead(tmp_path):
+    """GRPO on tests/parity_reward.py: a reward that differs within a group, so that every step has
+    an update to correct for staleness (a step whose groups all tie runs no forward)."""
+    out = str(tmp_path / "grpo")
+    _run(SMALL + ["--algo=grpo", "--train.steps=3", "--train.off_policy_steps=1", "--train.eval_every=3",
+                  f"--data.reward={ROOT}/tests/parity_reward.py:parity", f"--log.out_dir={out}"], nproc=2)
     steps = check_generated_ahead(_metrics(out), 3)
     assert "eval/success_rate" in steps[-1]
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
-
-
-# a reward that differs within a group, so that every step has an update to correct for staleness
-# (the untrained model's strops rewards all tie, and a step whose groups all tie runs no forward)
-PARITY_REWARD = "def reward(response, row, truncated):\n    return float(len(response) % 2)\n"
 
 
 def check_generated_ahead(records, steps):
@@ -400,6 +426,6 @@ if __name__ == "__main__":  # PYTHONPATH=. python tests/test_async.py: rewrite t
     with tempfile.TemporaryDirectory() as tmp:
         records = _golden_run(os.path.join(tmp, "run"))
     with open(os.path.join(ROOT, "tests", "golden_run.json"), "w") as f:
-        json.dump({"records": records, "source": f"{commit.strip()} (synchronous loop; tiny recipe 3; "
-                                                  "tests/parity_reward.py), tests/test_async.py GOLDEN_RUN"}, f, indent=1)
+        json.dump({"records": records, "source": f"{commit.strip()} (synchronous loop; tiny recipe 3; tests/parity_reward"
+                                                  ".py; a 4-step warm start), tests/test_async.py GOLDEN_RUN"}, f, indent=1)
     print("wrote tests/golden_run.json", file=sys.stderr)

@@ -8,6 +8,7 @@ uninterrupted run, and an engine process killed under two-rank torchrun stops bo
 with an EngineError.
 """
 import contextlib
+import errno
 import json
 import os
 import re
@@ -24,7 +25,8 @@ import data
 import microbatch
 import objectives
 import run
-from test_run import ONE_PROCESS, ROOT, SMALL, _free_port, _metrics, _policy
+from test_run import (ONE_PROCESS, ROOT, SMALL, WALL_CLOCK, _free_port, _metrics, _policy,
+                      check_agrees_with_one_rank)
 from checkpoint import parameter_count
 
 
@@ -39,10 +41,14 @@ def _trainer(tiny_dir, lr=1e-2):
     return run.Trainer(microbatch.Models(policy), optimizer, scheduler)
 
 
-def _step(trainer):
-    """One optimizer step that moves every weight, so that checkpoints of two steps differ."""
+def _step(trainer, seed):
+    """One optimizer step that moves every weight, so that checkpoints of two steps differ, on
+    seeded random gradients of every sign and of sizes spread over orders of magnitude: on a
+    constant gradient AdamW's bias-corrected step is lr·sign(g) whatever its state, so a resume
+    that lost the moments or the step count would take the same step."""
+    g = torch.Generator().manual_seed(seed)
     for p in trainer.models.policy.parameters():
-        p.grad = torch.ones_like(p)
+        p.grad = torch.randn(p.shape, generator=g) * torch.randn(p.shape, generator=g).mul(2).exp()
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
 
@@ -51,13 +57,24 @@ def _weights(trainer):
     return [p.detach().clone() for p in trainer.models.policy.parameters()]
 
 
+def _drop_state(optimizer):
+    """What a resume that restored the weights alone would hold: a fresh AdamW."""
+    optimizer.state.clear()
+
+
+def _drop_step_count(optimizer):
+    """AdamW's moments, but its step count (the bias correction's) back at 1."""
+    for state in optimizer.state.values():
+        state["step"].fill_(1)
+
+
 def test_resume_takes_the_latest_complete_checkpoint_of_an_out_dir(tiny_dir, tmp_path):
     cfg = run.parse_config(["--train.off_policy_steps=1"])
     trainer = _trainer(tiny_dir)
-    _step(trainer)
+    _step(trainer, 1)
     run.save_checkpoint(str(tmp_path / "checkpoint-1"), trainer, 1, None, ONE_PROCESS)
     after_one = _weights(trainer)
-    _step(trainer)
+    _step(trainer, 2)
     batch = ([microbatch.Rollout(row={"uid": "a"}, prompt_ids=[1], response_ids=[2], rollout_logprobs=[-0.5],
                                  text="x", truncated=False, policy_version=1)], {"reward/mean": 0.25})
     run.save_checkpoint(str(tmp_path / "checkpoint-2"), trainer, 2, batch, ONE_PROCESS, first_eval=[0.25, 1.0, 0.0])
@@ -76,9 +93,15 @@ def test_resume_takes_the_latest_complete_checkpoint_of_an_out_dir(tiny_dir, tmp
     assert step == 2 and metrics == {"reward/mean": 0.25} and first_eval == [0.25, 1.0, 0.0]
     assert rollouts[0].policy_version == 1 and rollouts[0].rollout_logprobs == [-0.5]
     assert all(torch.equal(a, b) for a, b in zip(_weights(fresh), _weights(trainer)))
-    # the state of the optimizer came back too: the next steps agree
-    _step(fresh), _step(trainer)
-    assert all(torch.equal(a, b) for a, b in zip(_weights(fresh), _weights(trainer)))
+    # the state of the optimizer came back too: the next steps agree, and would not without it
+    _step(trainer, 3)
+    for lose, agrees in ((None, True), (_drop_state, False), (_drop_step_count, False)):
+        again = _trainer(tiny_dir)
+        run.load_checkpoint(str(tmp_path / "checkpoint-2"), again, cfg, ONE_PROCESS)
+        if lose:
+            lose(again.optimizer)
+        _step(again, 3)
+        assert all(torch.equal(a, b) for a, b in zip(_weights(again), _weights(trainer))) == agrees, lose
     # a synchronous run resuming the same checkpoint generates its batch itself
     assert run.load_checkpoint(str(tmp_path / "checkpoint-2"), fresh, run.parse_config([]), ONE_PROCESS)[1] is None
 
@@ -92,7 +115,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tiny_dir, tmp_path,
     path = str(tmp_path / "checkpoint-1")
     run.save_checkpoint(path, trainer, 1, None, ONE_PROCESS)
     saved = _weights(trainer)
-    _step(trainer)
+    _step(trainer, 1)
     real_save = dcp.save
 
     def dies_after_writing(state, checkpoint_id):
@@ -126,6 +149,126 @@ def test_resumed_metrics_file_drops_the_steps_after_the_checkpoint(tmp_path):
     logger.log(3, {"reward/mean": 0.9})
     logger.close()
     assert [(r["step"], r["reward/mean"]) for r in _metrics(str(tmp_path))] == [(0, 0.0), (1, 0.1), (2, 0.2), (3, 0.9)]
+
+
+# ----------------------------------------------------------------------------------------
+# a full disk: the run stops naming it, loses nothing, and --train.resume continues
+
+
+FULL_DISK_RUN = ["--algo=sft", "--train.steps=2", "--train.save_every=1", "--train.prompts_per_step=2",
+                 "--train.mini_batches=1", "--train.eval_every=0", "--log.wandb_mode=disabled", "--log.progress=False"]
+
+
+class FullDisk:
+    """The disk of a run's out_dir fills at its first write into `where` (a checkpoint, a line of
+    metrics.jsonl after `lines` whole ones, or the final model): that write fails part-way as on
+    a full disk, and from then on the disk reads 0 bytes free. A checkpoint's shard fails as on a
+    2 MiB tmpfs (measured): torch.save turns the ENOSPC into a RuntimeError, "unexpected pos"."""
+
+    def __init__(self, monkeypatch, out, where, lines=1):
+        import collections
+        import shutil
+        import transformers
+        from torch.distributed.checkpoint import filesystem
+        self.full, self.out = False, out
+        usage, real_usage = collections.namedtuple("usage", "total used free"), shutil.disk_usage
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(2 ** 30, 2 ** 30, 0) if self.full else real_usage(p))
+        if where == "metrics.jsonl":
+            real_write, written = os.write, []
+
+            def write(fd, data):
+                if self.metrics_fd(fd) and (written.append(1) or len(written) > lines):
+                    if not self.full:
+                        self.full = True
+                        return real_write(fd, bytes(data)[:len(data) // 2])
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return real_write(fd, data)
+            monkeypatch.setattr(os, "write", write)
+        elif where == "final":
+            real_save = transformers.PreTrainedModel.save_pretrained
+
+            def save_pretrained(model, directory, *args, **kwargs):
+                if os.path.basename(directory) != "final.partial":
+                    return real_save(model, directory, *args, **kwargs)
+                os.makedirs(directory, exist_ok=True)
+                with open(os.path.join(directory, "model.safetensors"), "wb") as f:
+                    f.write(b"half a model")
+                self.full = True
+                raise OSError(errno.ENOSPC, "No space left on device")
+            monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", save_pretrained)
+        else:
+            real_stream = filesystem.FileSystem.create_stream
+            disk = self
+
+            class Stream:  # a shard file that takes 1,000 bytes, then none
+                def __init__(self, f):
+                    self.f, self.n = f, 0
+
+                def write(self, b):
+                    if self.n + len(b) > 1000:
+                        disk.full = True
+                        raise OSError(errno.ENOSPC, "No space left on device")
+                    self.n += len(b)
+                    return self.f.write(b)
+
+                def __getattr__(self, name):
+                    return getattr(self.f, name)
+
+            @contextlib.contextmanager
+            def create_stream(fs, path, mode):
+                with real_stream(fs, path, mode) as f:
+                    yield Stream(f) if f"{where}.partial" in str(path) and "w" in mode else f
+            monkeypatch.setattr(filesystem.FileSystem, "create_stream", create_stream)
+
+    def metrics_fd(self, fd):
+        path = self.out / "metrics.jsonl"
+        with contextlib.suppress(OSError):
+            return os.path.samestat(os.fstat(fd), os.stat(path))
+        return False
+
+
+@pytest.fixture(scope="module")
+def never_full(tmp_path_factory):
+    """FULL_DISK_RUN with room to the end: what a stopped run must resume to."""
+    out = tmp_path_factory.mktemp("never_full") / "run"
+    assert run.cli(FULL_DISK_RUN + [f"--log.out_dir={out}"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("where,resumes_from", [("checkpoint-2", "checkpoint-1"), ("metrics.jsonl", "checkpoint-1"),
+                                                ("final", "checkpoint-2")])
+def test_a_full_disk_stops_the_run_naming_the_folder_and_resume_continues_it(where, resumes_from, never_full,
+                                                                            tiny_dir, tmp_path, monkeypatch, capsys):
+    """ENOSPC while the run writes a checkpoint, a line of metrics.jsonl or the final model: one
+    message naming the folder and its free space, no traceback; the partial files gone, the
+    checkpoint before it whole, metrics.jsonl whole lines; --train.resume from the folder ends
+    with the metrics and weights of the run that had room."""
+    out = tmp_path / "run"
+    with monkeypatch.context() as m:
+        disk = FullDisk(m, out, where)
+        assert run.cli(FULL_DISK_RUN + [f"--log.out_dir={out}"]) == 1
+        assert disk.full
+    err = capsys.readouterr().err
+    assert err == (f"error: no space left on the disk of {out} while writing {where} (0 GiB free now): "
+                   + (f"free space there and continue from {resumes_from} with --train.resume {out}\n"
+                      if where != "metrics.jsonl" else
+                      f"it keeps its whole lines; free space there and continue from the run's last checkpoint "
+                      f"with --train.resume {out} (none: start the run again)\n")), err
+    assert not [name for name in os.listdir(out) if name.endswith(".partial")]
+    assert run.checkpoint_path(str(out)) == str(out / resumes_from)
+    assert run.load_checkpoint(str(out / resumes_from), _trainer(tiny_dir), run.parse_config(FULL_DISK_RUN),
+                               ONE_PROCESS)[0] == int(resumes_from.split("-")[1])
+    text = (out / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and [json.loads(line)["step"] for line in text.splitlines()] == \
+        ([1] if where == "metrics.jsonl" else [1, 2])
+
+    assert run.cli(FULL_DISK_RUN + [f"--log.out_dir={out}", f"--train.resume={out}"]) == 0
+    want, got = ([{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in _metrics(d)]
+                 for d in (never_full, out))
+    assert got == want and [r["step"] for r in got] == [1, 2]
+    resumed = _final_weights(out)
+    for name, tensor in _final_weights(never_full).items():
+        assert torch.equal(tensor, resumed[name]), name
 
 
 # ----------------------------------------------------------------------------------------
@@ -257,8 +400,10 @@ def _running(p):
 # real runs, killed
 
 
+# A run that learns: about half of each group succeeds (tests/parity_reward.py), so successes,
+# demonstrations, feedback contexts and held-out success at step 0 are all in what a resume restores.
 KILLED_RUN = SMALL + ["--algo=sdpo", "--train.steps=4", "--train.save_every=1", "--train.eval_every=4",
-                      "--train.off_policy_steps=1"]
+                      "--train.off_policy_steps=1", f"--data.reward={ROOT}/tests/parity_reward.py:parity"]
 
 
 def _start(args, nproc=1):
@@ -323,12 +468,14 @@ def _resumes_to_the_uninterrupted_run(stopped, whole):
     assert proc.returncode == 0, output[-5000:]
     want, got = _metrics(whole), _metrics(stopped)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3, 4]
-    wall_clock = ("time/", "throughput/", "sync/seconds")
     for w, g in zip(want, got):
-        compared = {k: v for k, v in w.items() if not k.startswith(wall_clock)}
+        compared = {k: v for k, v in w.items() if not k.startswith(WALL_CLOCK)}
         assert {k: g.get(k) for k in compared} == compared, w["step"]
     assert [r["async/staleness"] for r in got[1:]] == [0, 1, 1, 1]
-    assert any(r["actor/grad_norm"] > 0 for r in got[1:])
+    # what was resumed learns: successes, demonstrations and feedback, a gradient at every step
+    assert all(0 < r["reward/success_rate"] < 1 and r["sdpo/samples_with_successful_sibling"] > 0
+               and "sdpo/teacher_minus_student_logprob_demo" in r and r["actor/grad_norm"] > 0 for r in got[1:])
+    assert any(r["sdpo/feedback_used"] > 0 for r in got[1:]) and 0 < got[0]["eval/success_rate"] < 1
     resumed = _final_weights(stopped)
     for name, tensor in _final_weights(whole).items():
         assert torch.equal(tensor, resumed[name]), name
@@ -349,19 +496,16 @@ def _engine_core(proc):
 
 
 @pytest.mark.slow
-def test_engine_killed_mid_step_stops_both_ranks_with_an_engine_error(tmp_path):
-    """Two-rank torchrun of GRPO, asynchronous: the steps before the kill generate ahead as
-    they should (tests/test_async.py check_generated_ahead; this is the suite's two-rank
-    asynchronous run). Then kill -9 of the engine core once step 2 is logged (the engine is
-    then generating batch 3 in the background, or loading weights): both ranks stop with an
-    EngineError well within the RPC timeout, and the checkpoint of the last finished step is
-    complete."""
-    from test_async import PARITY_REWARD, check_generated_ahead
+def test_engine_killed_mid_step_stops_both_ranks_with_an_engine_error(uninterrupted, tmp_path):
+    """Two-rank torchrun of KILLED_RUN (SDPO, asynchronous; the suite's two-rank asynchronous
+    run): the steps before the kill generate ahead as they should (tests/test_async.py
+    check_generated_ahead) and give the one-rank run's figures (check_agrees_with_one_rank).
+    Then kill -9 of the engine core once step 2 is logged (the engine is then generating batch
+    3 in the background, or loading weights): both ranks stop with an EngineError well within
+    the RPC timeout, and the checkpoint of the last finished step is complete."""
+    from test_async import check_generated_ahead
     out = str(tmp_path / "run")
-    (tmp_path / "parity.py").write_text(PARITY_REWARD)
-    proc = _start(SMALL + ["--algo=grpo", "--train.steps=8", "--train.save_every=1", "--train.eval_every=0",
-                           "--train.off_policy_steps=1", "--rollout.rpc_timeout_s=300",
-                           f"--data.reward={tmp_path / 'parity.py'}:reward", f"--log.out_dir={out}"], nproc=2)
+    proc = _start(KILLED_RUN + ["--train.steps=8", "--rollout.rpc_timeout_s=300", f"--log.out_dir={out}"], nproc=2)
     _wait_for(lambda: 2 in _steps_logged(out), proc, "step 2")
     engine = _engine_core(proc)
     assert engine is not None
@@ -379,6 +523,7 @@ def test_engine_killed_mid_step_stops_both_ranks_with_an_engine_error(tmp_path):
     resume_from = run.checkpoint_path(out)
     assert os.path.exists(os.path.join(resume_from, ".metadata"))
     check_generated_ahead(_metrics(out), 2)
+    check_agrees_with_one_rank(_metrics(out), _metrics(uninterrupted), 2)
 
 
 @pytest.mark.slow

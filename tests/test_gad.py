@@ -23,7 +23,8 @@ from microbatch import Models
 from objectives import OBJECTIVES
 from objectives.gad import gad_loss, gad_rewards, prepare_teacher_responses
 from teacher import Reference
-from test_run import ONE_PROCESS, SMALL, GradRecorder, NoSchedule, _metrics, _policy, _rollouts, _run
+from test_run import (OF_THE_BATCH, ONE_PROCESS, SMALL, GradRecorder, NoSchedule, _metrics, _policy, _rollouts, _run,
+                      check_agrees_with_one_rank)
 from update import step_counts
 
 GAD = OBJECTIVES["gad"]
@@ -317,12 +318,16 @@ def _teacher_file(tmp_path, n=40):
 
 @pytest.mark.slow
 def test_two_rank_gad_run_with_both_stages(tmp_path):
-    out = str(tmp_path / "gad")
+    """Both stages under two ranks, with the figures of the same run on one rank (the batches'
+    to the bit but the rewards, which are the discriminator's scores: to float rounding)."""
+    out, alone = str(tmp_path / "gad"), str(tmp_path / "alone")
     path = _teacher_file(tmp_path)
     flags = SMALL + ["--algo=gad", f"--data.task={path}", f"--data.eval_path={path}", "--data.reward=strops",
                      "--gad.warmup_steps=1", "--gad.critic_warmup=1", "--train.mini_batches=2",
-                     "--train.micro_batch=3", f"--log.out_dir={out}"]
-    _run(flags + ["--train.steps=3", "--train.eval_every=3"], nproc=2, timeout=900)
+                     "--train.micro_batch=3", "--train.steps=3", "--train.eval_every=3"]
+    _run(flags + [f"--log.out_dir={out}"], nproc=2, timeout=900)
+    _run(flags + [f"--log.out_dir={alone}"], timeout=900)
+    check_agrees_with_one_rank(_metrics(out), _metrics(alone), 3, [k for k in OF_THE_BATCH if k != "reward/"])
     steps = [r for r in _metrics(out) if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3] and [r["gad/stage"] for r in steps] == [0, 1, 2]
     for r in steps:

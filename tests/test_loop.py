@@ -140,6 +140,7 @@ def reference_loss(cfg, name, student, teacher, rollouts, chosen, old, stats):
             log_w = log_w.mean().expand(n)
         engine = log_w.clamp(-20, 20).exp().clamp(max=cfg.rollout.is_cap)
         stats["engine_capped"] += int((log_w.exp() > cfg.rollout.is_cap).sum())
+        stats["tokens"] += n
         if not cfg.rollout.is_correction:
             engine = torch.ones(n)
         if name in ("sdpo", "hybrid") and r.fields.sdpo_mask > 0:
@@ -191,7 +192,8 @@ def reference_update(cfg, name, start, teacher, rollouts, steps):
     with torch.no_grad():
         old = [token_logprobs(response_logits(student, r.prompt_ids + r.response_ids, len(r.response_ids)),
                               r.response_ids, cfg.rollout.temperature) for r in rollouts]
-    stats = {"is_clipped": 0, "clipped_high": 0, "clipped_low": 0, "pg_tokens": 0, "engine_capped": 0, "grad_norms": []}
+    stats = {"is_clipped": 0, "clipped_high": 0, "clipped_low": 0, "pg_tokens": 0, "engine_capped": 0, "tokens": 0,
+             "grad_norms": []}
     grads = []
     for chosen in steps:
         student.zero_grad()
@@ -267,9 +269,11 @@ def test_two_optimizer_steps_match_the_formulas_on_plain_forwards(case, name, fl
     assert metrics["actor/grad_norm"] == pytest.approx(sum(stats["grad_norms"]) / 2, rel=1e-3)
     if cfg.rollout.is_correction and name != "sft":
         assert stats["engine_capped"] > 0, stats  # the engine correction reaches its cap somewhere
+        assert metrics["is/clipfrac"] == pytest.approx(stats["engine_capped"] / stats["tokens"])  # and the run says so
     # the second step moved off ratio 1: the clips act
     if name == "sdpo":
         assert stats["is_clipped"] > 0, stats
+        assert metrics["sdpo/is_clipfrac"] == pytest.approx(stats["is_clipped"] / stats["tokens"])
     elif name != "sft":
         if name == "gspo":  # a sequence's ratio: here every one fell
             assert stats["clipped_high"] + stats["clipped_low"] > 0, stats

@@ -820,6 +820,27 @@ def test_a_teacher_whose_right_minus_wrong_is_within_noise_of_0_is_warned(tmp_pa
     assert "WARNING step 5:" in capsys.readouterr().err
 
 
+def test_a_resumed_logger_takes_its_windows_back_from_the_records_it_keeps(tmp_path):
+    """A run resumed from step 3 logs steps 4-6 as the uninterrupted run does: the windows over
+    the last steps (right minus wrong and its SE, the flat-teacher gap) start from steps 1-3's
+    records. Seen to fail without the replay in Logger.truncate (step 4's SE missing)."""
+    steps = [{DEMO_RIGHT: 0.1 * s, DEMO_WRONG: -0.05 * s * s, FLAT_TEACHER_METRIC: 0.01 * s} for s in range(1, 7)]
+
+    def logged(out, steps_run, resume_from=None):
+        logger = run.Logger(run.parse_config([f"--log.out_dir={out}", "--log.wandb_mode=disabled"]), 0)
+        if resume_from is not None:
+            logger.truncate(resume_from)
+        for step in steps_run:
+            logger.log(step, steps[step - 1])
+        logger.close()
+        return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+    whole = logged(tmp_path / "whole", range(1, 7))
+    assert f"{RIGHT_MINUS_WRONG}_stderr" in whole[3]
+    logged(tmp_path / "killed", range(1, 6))  # killed after step 5, its last checkpoint at step 3
+    assert logged(tmp_path / "killed", range(4, 7), resume_from=3) == whole
+
+
 def test_data_file_split_is_announced_and_an_empty_split_is_an_error(tmp_path, capsys):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
@@ -965,6 +986,7 @@ def _run(args, nproc=1, timeout=420, cwd=ROOT):
     return proc
 
 
+WALL_CLOCK = ("time/", "throughput/", "sync/seconds")  # figures of the clock, which no two runs share
 CONSOLE_NOISE = ("reduce_op", "NUMA binding", "OMP_NUM_THREADS=", "Failed to load weights", "LD_PRELOAD", "INFO",
                  "force killing", "doesn't include CPU backend", "leaked shared_memory")
 
@@ -986,6 +1008,38 @@ def check_two_rank_run(proc, out):
     return steps
 
 
+# the figures of a step's batch: the same rollouts give them exactly
+OF_THE_BATCH = ("reward/", "response/", "async/", "eval/", "sdpo/groups_", "sdpo/samples_", "sdpo/success_",
+                "sdpo/feedback_", "sdpo/teacher_coverage", "sync/megabytes", "sync/reloads", "actor/lr",
+                "actor/skipped_steps")
+# the engine against the trainer: rounding, which the two runs need not share; or, in a run that
+# generates ahead, rounding plus the update made since the batch's weights, which they must
+ENGINE_AGAINST_TRAINER = ("rollout/mismatch_kl", "sync/probe_max_abs_diff")
+
+
+def check_agrees_with_one_rank(two, one, steps, exact=OF_THE_BATCH):
+    """The steps up to `steps` of a two-rank run against the one-rank run of the same flags and seed.
+    Rank 0's engine generates every batch from the same weights and seeds (generating ahead,
+    batch 2 too comes from the start's weights), so the figures of the batches are equal, and
+    the update's (losses, entropies, divergences, IS ratios, gradient norms) equal to float
+    rounding: FSDP2 sums over two ranks in another order (exact: the keys' prefixes compared to
+    the bit). Returns the compared steps."""
+    two, one = ([r for r in records if r["step"] <= steps] for records in (two, one))
+    assert [r["step"] for r in two] == [r["step"] for r in one] and two[-1]["step"] == steps
+    for a, b in zip(two, one):
+        keys = {k for k in a.keys() | b.keys() if not k.startswith(WALL_CLOCK)}
+        assert keys == {k for k in b if not k.startswith(WALL_CLOCK)}, a["step"]
+        for key in keys:
+            if key.startswith(tuple(exact)):
+                assert a[key] == b[key], (a["step"], key)
+            elif key in ENGINE_AGAINST_TRAINER:
+                assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-4), (a["step"], key)
+            else:
+                assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-7), (a["step"], key)
+    assert any(r["actor/grad_norm"] > 0 for r in two[1:])
+    return two
+
+
 @pytest.mark.slow
 @pytest.mark.extended  # resume equality of a synchronous run; test_faults' kill -9 and Ctrl-C resume async ones
 def test_single_process_run_with_checkpoint_and_resume(tmp_path):
@@ -1004,8 +1058,7 @@ def test_single_process_run_with_checkpoint_and_resume(tmp_path):
     assert [r["step"] for r in second] == [2]
     # same weights, optimizer state and teacher, same prompts and sampling seed: the same step 2,
     # every figure but the wall-clock ones, and the same final weights
-    wall_clock = ("time/", "throughput/", "sync/seconds")
-    compared = {k: v for k, v in first[1].items() if not k.startswith(wall_clock)}
+    compared = {k: v for k, v in first[1].items() if not k.startswith(WALL_CLOCK)}
     assert {k: second[0].get(k) for k in compared} == compared
     assert second[0]["actor/grad_norm"] > 0
     from safetensors.torch import load_file

@@ -17,6 +17,7 @@ import json
 import os
 import random
 import re
+import statistics
 
 import pytest
 import torch
@@ -650,15 +651,20 @@ def test_engine_rollouts_score_the_same_in_the_trainer(engine, vlm_tokenizer, po
 @pytest.mark.slow
 def test_two_rank_torchrun_sdpo_on_the_picture_task(tmp_path):
     """FSDP2 over two ranks with the vision tower sharded, uneven micro-batches (an idle rank
-    runs the tower on a blank picture), every sync proven by the image probe."""
-    from test_run import SMALL, _run, check_two_rank_run
-    out = str(tmp_path / "sdpo")
+    runs the tower on a blank picture), every sync proven by the image probe, the figures of
+    the one-rank run."""
+    from test_run import SMALL, _metrics, _run, check_agrees_with_one_rank, check_two_rank_run
     # 16 rollouts in mini-batches of 6/5/5 and micro-batches of 2: one rank runs fewer
-    # micro-batches and must still join FSDP's and the teacher's collectives. The one
-    # two-rank SDPO run of the suite: the text model's path is the same code without the tower.
-    proc = _run(SMALL + ["--data.task=shapes", "--algo=sdpo", "--train.mini_batches=3", "--train.micro_batch=2",
-                         "--sdpo.teacher_micro_batch=2", f"--log.out_dir={out}"], nproc=2, timeout=600)
+    # micro-batches and must still join FSDP's and the teacher's collectives; the one-rank run
+    # of the same flags gives the same figures (the text model's path is the same code without
+    # the tower: tests/test_faults.py's engine-kill run compares it so)
+    flags = SMALL + ["--data.task=shapes", "--algo=sdpo", "--train.mini_batches=3", "--train.micro_batch=2",
+                     "--sdpo.teacher_micro_batch=2"]
+    out, alone = str(tmp_path / "sdpo"), str(tmp_path / "alone")
+    proc = _run(flags + [f"--log.out_dir={out}"], nproc=2, timeout=600)
     steps = check_two_rank_run(proc, out)
+    _run(flags + [f"--log.out_dir={alone}"], timeout=600)
+    check_agrees_with_one_rank(_metrics(out), _metrics(alone), 2)
     assert all(r["rollout/mismatch_kl"] < 1e-4 for r in steps)
     from transformers import AutoModelForImageTextToText
     AutoModelForImageTextToText.from_pretrained(os.path.join(out, "final"))
@@ -666,12 +672,13 @@ def test_two_rank_torchrun_sdpo_on_the_picture_task(tmp_path):
 
 
 class SeeingEngine:
-    """Answers each shapes question right when its picture is the row's, and "4" (never the
-    answer to a colour or position question) for any other picture."""
+    """Answers each shapes question right when its picture is the row's, except on the rows it
+    misreads, and "2" (the answer to some count questions, never to a colour or position one) for
+    any other picture and on those rows."""
 
-    def __init__(self, tokenizer, rows):
+    def __init__(self, tokenizer, rows, misread=()):
         self.tokenizer = tokenizer
-        self.answers = {row["images"][0].tobytes(): row["answer"] for row in rows}
+        self.answers = {row["images"][0].tobytes(): row["answer"] for i, row in enumerate(rows) if i not in misread}
         self.seen = []  # the pictures of each call, prompt by prompt
 
     def generate(self, prompts, n, temperature, max_tokens, seed, images=None):
@@ -679,7 +686,7 @@ class SeeingEngine:
         out = []
         self.seen.append(images)
         for p, pictures in zip(prompts, images):
-            text = "Answer: " + self.answers.get(pictures[0].tobytes(), "4")
+            text = "Answer: " + self.answers.get(pictures[0].tobytes(), "2")
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
             out.append([Sample(p, ids, [-1.0] * len(ids), text, False) for _ in range(n)])
         return out
@@ -687,7 +694,8 @@ class SeeingEngine:
 
 def test_blind_check_scores_the_rows_with_blank_pictures_and_pairs_the_gap(vlm_tokenizer):
     """--eval_only --blind: the same rows with every picture white and the same size; a model
-    that reads the picture loses what the picture told it, row by row."""
+    that reads the picture loses what the picture told it, row by row, and the gap's standard
+    error is that of the rows' differences (paired: the rows it misreads score alike both ways)."""
     from flags import parse_config
     from evaluate import blind_check, evaluate
     rows = data.task_rows("shapes", "test", 12)
@@ -695,7 +703,8 @@ def test_blind_check_scores_the_rows_with_blank_pictures_and_pairs_the_gap(vlm_t
     rows = [dict(row, images=[im.resize((im.width + i, im.height + 2 * i)) for im in row["images"]])
             for i, row in enumerate(rows)]
     cfg = parse_config(["--data.task=shapes", "--rollout.eval_k=2", "--eval_only=True", "--blind=True"])
-    engine = SeeingEngine(vlm_tokenizer, rows)
+    misread = (0, 3, 6, 9)
+    engine = SeeingEngine(vlm_tokenizer, rows, misread)
     seen, seeing = evaluate(engine, vlm_tokenizer, rows, cfg)
     originals = [im for pictures in engine.seen[-1] for im in pictures]
     got = blind_check(engine, vlm_tokenizer, rows, cfg, seeing)
@@ -703,11 +712,16 @@ def test_blind_check_scores_the_rows_with_blank_pictures_and_pairs_the_gap(vlm_t
     assert [im.size for im in blanks] == [im.size for im in originals] == [im.size for row in rows for im in row["images"]]
     assert len({im.size for im in blanks}) == len(rows)
     assert all(im.getextrema() == ((255, 255),) * 3 for im in blanks)  # white, every channel
-    counted_four = sum(row["answer"] == "4" for row in rows) / len(rows)  # a blind "4" is right there
-    assert seen["eval/success_rate"] == 1.0
-    assert got["eval/success_rate_blind"] == pytest.approx(counted_four)
-    assert got["eval/seeing_minus_blind"] == pytest.approx(1.0 - counted_four)
-    assert got["eval/seeing_minus_blind_stderr"] > 0 or counted_four in (0.0, 1.0)
+    blind = [float(row["answer"] == "2") for row in rows]  # a blind "2" is right there
+    seeing = [float(i not in misread or row["answer"] == "2") for i, row in enumerate(rows)]
+    assert seen["eval/success_rate"] == pytest.approx(statistics.mean(seeing)) and min(seeing) == 0
+    assert got["eval/success_rate_blind"] == pytest.approx(statistics.mean(blind))
+    gaps = [s - b for s, b in zip(seeing, blind)]
+    assert got["eval/seeing_minus_blind"] == pytest.approx(statistics.mean(gaps))
+    paired = statistics.stdev(gaps) / len(rows) ** 0.5
+    unpaired = (statistics.variance(seeing) / len(rows) + statistics.variance(blind) / len(rows)) ** 0.5
+    assert got["eval/seeing_minus_blind_stderr"] == pytest.approx(paired)
+    assert abs(paired - unpaired) > 0.01  # the rows tell the two apart
     with pytest.raises(ValueError, match="--blind: the held-out rows have no pictures"):
         blind_check(engine, vlm_tokenizer, data.task_rows("strops", "test", 2), cfg, [1.0, 1.0])
     with pytest.raises(ValueError, match="--blind is a measurement of --eval_only"):
