@@ -100,6 +100,10 @@ class RolloutConfig:
     sync: Literal["group", "file"] = "group"
     sync_bucket_mb: int = 512  # the group path's largest bucket (a bigger tensor travels alone)
     sync_addr: str = ""  # host:port the engine's workers reach trainer rank 0 at; empty: this machine, a free port
+    # http://HOST:PORT of an engine served by `vllm serve` (docs/sync.md, The engine as a service): the
+    # run generates through it and syncs through its RL routes instead of starting vLLM; empty: its own
+    engine: str = ""
+    engine_public: bool = False  # accept a --rollout.engine that is not a private or loopback address
     # On CPU: cores the engine's worker computes on (vLLM binds one OpenMP thread to each).
     # 0: every core in the synchronous loop (the trainer waits meanwhile), half of them with
     # --train.off_policy_steps 1 (the trainer works beside it). Ignored by a GPU engine.

@@ -10,9 +10,10 @@ the rank's GPU (the model's tensors: NCCL). NCCL alone has no CPU backend: a gro
 fails at the first host value.
 
 Waiting for rank 0: while rank 0 alone works (generates, evaluates, writes a checkpoint) the
-other ranks wait in rank0_call at a barrier without a time limit, not in a collective under the
-group's timeout (--train.collective_timeout_min), which a long evaluation would exceed: NCCL's
-watchdog aborts a job whose collective outlasts it, gloo raises. A rank that dies ends the job
+other ranks wait in rank0_call (and policy.broadcast_weights, sync.PolicySource.follow) at a
+barrier without a time limit, not in a collective under the group's timeout
+(--train.collective_timeout_min), which a long evaluation would exceed: NCCL's watchdog aborts a
+job whose collective outlasts it, gloo raises. A rank that dies ends the job
 all the same: torchrun stops every rank when one exits.
 """
 import contextlib

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import image_prompts
 import packing
-from distributed import Dist, local_tensor
+from distributed import RANK0_WAIT, Dist, local_tensor
 from microbatch import Models
 
 if TYPE_CHECKING:
@@ -156,6 +156,7 @@ def broadcast_weights(hf, full: dict, device):
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     state, identity = hf.state_dict(), tensor_identity(hf)
     kinds = [{k: v.dtype for k, v in full.items()}]
+    dist.barrier(timeout=RANK0_WAIT)  # while rank 0 reads the checkpoint: not in a collective under the group's timeout
     dist.broadcast_object_list(kinds, src=0)
     if set(kinds[0]) != set(state):  # every rank raises alike
         raise ValueError(f"the checkpoint's tensors are not the model's: only in the checkpoint "

@@ -258,6 +258,8 @@ def check_devices(cfg: Config):
         if asked:
             raise UserError(f"{', '.join(asked)} asked for GPUs, but torch sees none: {gpu_requirement()}")
         return
+    if cfg.rollout.engine:  # a served engine (served.py): no engine on this node, its GPUs are the trainers'
+        return
     gpus, tp = torch.cuda.device_count(), cfg.rollout.tensor_parallel
     if cfg.rollout.placement == "colocated" and own:
         why = (f"torchrun's {world} ranks" if world > 1 else "--train.off_policy_steps 1" if cfg.train.off_policy_steps
@@ -305,7 +307,7 @@ def engine_env(placement: str, own_process: bool, cpu_cores: list[int] | None, t
                                  "ignore::UserWarning:multiprocessing.resource_tracker")
     if "TORCH_CPP_LOG_LEVEL" not in os.environ and not torch.cuda.is_available():
         env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-    importable(env, ROOT)  # the workers load sync.WeightReceiver
+    importable(env, ROOT)  # the project's modules, for what the engine's processes import of it
     return env, bound
 
 

@@ -9,7 +9,7 @@ engine's expanded ids (image_prompts.ImagePrompts).
 from __future__ import annotations
 
 import contextlib
-import itertools
+import json
 import os
 import shutil
 import sys
@@ -24,6 +24,7 @@ import torch
 
 import data
 import feedback
+import served
 import sync
 from distributed import Dist, rank0_call
 from microbatch import Rollout
@@ -149,19 +150,16 @@ class Engine:
             raise ValueError("an in-process engine under torchrun with several ranks hangs at start-up; "
                              "use own_process=True")
         env, bound = engine_env(placement, own_process, cpu_cores, tensor_parallel)
-        self.model_dir, self.own_process, self.rpc_timeout_s = model_dir, own_process, rpc_timeout_s
-        self.weights_version = 0  # the checkpoint's weights
-        self._background = None  # the job started by in_background, until someone waits for it
-        self._idle_since = None  # when the last generation ended
-        self.expected_keys = sync.checkpoint_keys(model_dir)
-        self._sync_dir = None  # the file path's directory
-        self.sync_addr, self._weight_group = sync_addr, None  # the group path's
+        self._init_state(model_dir, own_process, rpc_timeout_s, sync_addr)
         engine_args = {} if torch.cuda.is_available() else _cpu_engine_args(model_dir, dtype, max_model_len,
                                                                             kv_cache_tokens)
         self.vision = "vision_config" in sync.checkpoint_config(model_dir)
         if self.vision:  # images only: no video processor without torchvision, and no video budget to profile
             engine_args["limit_mm_per_prompt"] = {"image": MAX_IMAGES_PER_PROMPT, "video": 0}
-            use_plugins(env)
+        use_plugins(env)  # the engine's processes load vllm_plugins/: the proven weight transfer
+        sync.transfer_module()  # registered here too: an engine in this process loads vLLM's plugins once
+        transfer = {"backend": sync.WORKER_BACKEND[sync.transfer_backend(placement, False, torch.cuda.is_available(),
+                                                                         in_process=not own_process)]}
         t0 = time.perf_counter()
         before = descendants() if own_process else set()
         with patched_env(env, TORCHRUN_VARS if own_process else ()):
@@ -178,11 +176,22 @@ class Engine:
                 # the trainer reproduces by dividing its logits by the same temperature.
                 logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                 use_tqdm_on_load=False,  # its bar at every weight sync would break the run's own
-                worker_extension_cls="sync.WeightReceiver", **engine_args)
+                worker_extension_cls="sdpo_transfer.WeightProof", weight_transfer_config=transfer, **engine_args)
         self.start_seconds = time.perf_counter() - t0
         # The engine core and its workers: watched during every call (see _call), and ended by a
         # reaper process when this one ends without closing the engine (processes.supervise).
         self.processes, self._reaper = supervise(before, bound) if own_process else ({}, None)
+
+    name = "vLLM engine"  # in its error messages
+
+    def _init_state(self, model_dir: str, own_process: bool, rpc_timeout_s: float, sync_addr: str):
+        self.model_dir, self.own_process, self.rpc_timeout_s = model_dir, own_process, rpc_timeout_s
+        self.weights_version = 0  # the checkpoint's weights
+        self._background = None  # the job started by in_background, until someone waits for it
+        self._idle_since = None  # when the last generation ended
+        self.expected_keys = sync.checkpoint_keys(model_dir)
+        self._sync_dir = None  # the file path's directory
+        self.sync_addr, self._transfer, self.identity = sync_addr, None, None  # the group path's (sync.py)
 
     def _call(self, what: str, fn, *args, **kwargs):
         """fn(*args, **kwargs) into vLLM, its failures as EngineError. An own-process engine
@@ -192,7 +201,7 @@ class Engine:
             try:
                 return fn(*args, **kwargs)
             except Exception as e:  # vLLM's EngineDeadError, TimeoutError, broken pipes ...
-                raise EngineError(f"vLLM engine failed during {what}: {type(e).__name__}: {e}") from e
+                raise EngineError(f"{self.name} failed during {what}: {type(e).__name__}: {e}") from e
         return self._wait(what, Background(lambda: fn(*args, **kwargs), name=f"vLLM {what}"))
 
     def _wait(self, what: str, job: Background, *watched: Background):
@@ -210,7 +219,7 @@ class Engine:
         except EngineError:
             raise
         except Exception as e:  # vLLM's EngineDeadError, TimeoutError, broken pipes ...
-            raise EngineError(f"vLLM engine failed during {what}: {type(e).__name__}: {e}") from e
+            raise EngineError(f"{self.name} failed during {what}: {type(e).__name__}: {e}") from e
 
     def in_background(self, fn, name: str) -> Background:
         """Run fn(), which may call this engine, in a background thread (after any earlier job)."""
@@ -252,11 +261,9 @@ class Engine:
         from vllm import SamplingParams
         self._finish_background()
         version = self.weights_version
-        # vLLM seeds sample j of a request with seed + j: space the prompts' seeds by n so
-        # that no two samples of a batch share a random stream.
-        params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed * 1000003 + i * n,
-                                 logprobs=0, top_p=1.0, top_k=0, min_p=0.0, skip_special_tokens=True)
-                  for i in range(len(prompts))]
+        params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=s, logprobs=0,
+                                 top_p=1.0, top_k=0, min_p=0.0, skip_special_tokens=True)
+                  for s in request_seeds(seed, len(prompts), n)]
         outputs = self._call("generate", self.llm.generate, self._prompts(prompts, images), params, use_tqdm=False)
         result = [[Sample(prompt_ids=list(out.prompt_token_ids), response_ids=list(c.token_ids),
                           logprobs=[step[token].logprob for token, step in zip(c.token_ids, c.logprobs)],
@@ -277,14 +284,15 @@ class Engine:
 
     def update_weights(self, weights, probe_ids: list[int], trainer_probe_logprobs: torch.Tensor,
                        tol: float, version: int | None = None, probe_images: list | None = None) -> SyncResult:
-        """Load weights into the engine, reset the prefix cache, and prove it. weights: a full
-        HF-named state dict (through a file, or directly into an engine in this process), or a
-        sync.WeightStream (through the weight group, or directly into an engine in this process).
+        """Load weights into the engine, reset the prefix cache, and prove it. weights: a
+        sync.PolicySource (vLLM's weight-transfer API: the group path) or a full HF-named state
+        dict (through a file, or directly into an engine in this process).
 
         trainer_probe_logprobs: the probe's log-probs under the weights being synced
         (`probe_logprobs`; probe_images: its pictures, `sync.image_probe`). version: what later samples
         are stamped with (default: one more than now). Waits for a background job first. Raises
-        EngineError when keys are missing or the probe misses tol (max abs, nats) twice.
+        EngineError when keys are missing, or when the proof fails twice: the engine's digests of
+        what it loaded differ from the trainer's (group path), or the probe misses tol (max abs, nats).
         """
         waited = self._finish_background()
         t0 = time.perf_counter()
@@ -294,8 +302,8 @@ class Engine:
             # vLLM reloads layer by layer and keeps *every* old weight when one key is absent.
             raise EngineError(f"weight sync: state dict lacks {len(missing)} checkpoint keys, e.g. "
                               f"{sorted(missing)[:5]} (a tied lm_head.weight must be included)")
-        if not isinstance(weights, dict) and self.own_process:
-            load = lambda: self._stream_weights(weights)
+        if not isinstance(weights, dict):
+            load = lambda: self._transfer_weights(weights)
         elif self.own_process:
             # Tensors cannot cross to the engine process by pickling (bf16 has no buffer
             # protocol), so they go through a safetensors file in shared memory.
@@ -305,16 +313,18 @@ class Engine:
                     reap_directory(self._reaper, self._sync_dir)
             sync.write_sync_file(self._sync_dir, weights)
             load = lambda: self._reload(weights_path=self._sync_dir)
-        elif isinstance(weights, dict):  # into this process: a fresh iterator for each load
+        else:  # into this process: a fresh iterator for each load
             load = lambda: self._reload(weights_iterator=((k, v.detach()) for k, v in weights.items()))
-        else:
-            load = lambda: self._reload(weights_iterator=weights.tensors())
-        diff = self._load_and_probe(load, probe_ids, probe_images, trainer_probe_logprobs)
+        wrong, diff = self._load_and_prove(load, weights, probe_ids, probe_images, trainer_probe_logprobs)
         reloads = 0
-        if not diff <= tol:  # NaN fails too; a miss is loaded once more (docs/sync.md: seen once)
-            print(f"weight sync: the engine's probe log-probs differ from the trainer's by {diff:.4g} nats "
-                  f"(tolerance {tol}); loading the weights once more", file=sys.stderr, flush=True)
-            reloads, diff = 1, self._load_and_probe(load, probe_ids, probe_images, trainer_probe_logprobs)
+        if wrong or not diff <= tol:  # NaN fails too; a miss is loaded once more (docs/sync.md: seen once)
+            miss = "; ".join(wrong) or f"the engine's probe log-probs differ from the trainer's by {diff:.4g} nats " \
+                                       f"(tolerance {tol})"
+            print(f"weight sync: {miss}; loading the weights once more", file=sys.stderr, flush=True)
+            reloads = 1
+            wrong, diff = self._load_and_prove(load, weights, probe_ids, probe_images, trainer_probe_logprobs)
+        if wrong:
+            raise EngineError(f"weight sync did not arrive, also after loading it again: {'; '.join(wrong)}")
         if not diff <= tol:
             raise EngineError(f"weight sync did not arrive: engine and trainer probe log-probs differ by "
                               f"{diff:.4g} nats (tolerance {tol}), also after loading them again")
@@ -325,68 +335,87 @@ class Engine:
     def _reload(self, **kwargs):
         self._call("weight sync", self.llm.collective_rpc, "reload_weights", timeout=self.rpc_timeout_s, kwargs=kwargs)
 
-    def _stream_weights(self, stream):
-        """One pass of a sync.WeightStream through the weight group: the workers receive and load
-        the buckets (an RPC that returns once they have) while this thread gathers the next
-        bucket and another sends the last. A failure stops the sending, not the gathering, which
-        the other trainer ranks take part in: the pass runs to its end, then the error is raised."""
-        if self._weight_group is None:
-            self._weight_group = self._open_weight_group()
-        group, error, sending = self._weight_group, None, None
-        receiving = Background(lambda: self.llm.collective_rpc(
-            "receive_weights", timeout=self.rpc_timeout_s, args=(stream.plan(), str(stream.dtype).split(".")[-1])),
-            name="vLLM weight sync")
-        for bucket in itertools.chain(stream.buckets(), [None]):  # None: after the last bucket
-            if error is not None:
-                continue
-            try:
-                if sending is not None:
-                    self._wait("weight sync", sending, receiving)
-                if bucket is None:
-                    self._wait("weight sync", receiving)
-                else:
-                    sending = Background(lambda b=bucket: group.broadcast(b, 0).wait(),
-                                         name="weight sync send")
-            except EngineError as e:
-                error = e
-        if error is not None:
-            self._weight_group = None  # in an unknown state
-            raise error
+    def client(self):
+        """vLLM's weight-sync client protocol (and collective_rpc) for this engine."""
+        return sync.LLMClient(self)
 
-    def _open_weight_group(self):
-        """The process group of this process (rank 0) and the engine's workers (sync.py)."""
-        host, port = sync.group_address(self.sync_addr)
-        workers = self.llm.llm_engine.vllm_config.parallel_config.world_size
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        joining = Background(lambda: self.llm.collective_rpc(
-            "init_weight_group", timeout=self.rpc_timeout_s, args=(host, port, 1 + workers, backend, self.rpc_timeout_s)),
-            name="vLLM weight group")
-        # under torchrun, torch's rendezvous would join torchrun's own store instead of opening one
-        with patched_env({}, ["TORCHELASTIC_USE_AGENT_STORE"]):
-            opening = Background(lambda: sync.init_group(host, port, 0, 1 + workers, backend, self.rpc_timeout_s),
-                                 name="weight group")
-            self._wait("weight group set-up", joining, opening)
-            return self._wait("weight group set-up", opening)
+    def _transfer_weights(self, source):
+        """One pass of vLLM's weight transfer (the other trainer ranks follow it, sync.PolicySource):
+        rank 0's trainer engine drives the engine's start/update/finish_weight_update and sends. The
+        trainer engine is made at the first sync (a group opened with the workers), and dropped
+        when a pass fails (the next sync opens a new one)."""
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+        if self._transfer is None:
+            client = self.client()
+            aliases = json.dumps(source.aliases)
+            self.identity = client.rpc("sdpo_begin_session", aliases)[0]  # a half-done update is closed
+            host, port = sync.group_address(self.sync_addr, self.transfer_host())
+            init = sync.trainer_init_info(source.backend, 0, source.bucket_bytes, self.rpc_timeout_s, host, port,
+                                          1 + self.workers())
+            # under torchrun, torch's rendezvous would join torchrun's own store instead of opening one
+            with patched_env({}, ["TORCHELASTIC_USE_AGENT_STORE"]):
+                self._transfer = self._guarded("weight transfer set-up", lambda: WeightTransferTrainerFactory
+                                               .trainer_init(init, client=client, source=source))
+        self._transfer.source = source
+        source.begin_pass()
+        try:
+            self._guarded("weight sync", self._transfer.send_weights)
+        finally:
+            source.finish_pass()  # after a failure: the other ranks' gathers complete, then every rank raises
 
-    def _load_and_probe(self, load, probe_ids: list[int], probe_images: list | None,
-                        trainer_probe_logprobs: torch.Tensor) -> float:
-        """Reload the weights (load()), empty the caches computed with the old ones, and return
-        the engine's probe log-probs' max abs difference from the trainer's."""
+    def _guarded(self, what: str, fn):
+        """fn() of the transfer; a failure drops the trainer engine (its group is in an unknown state)."""
+        try:
+            return fn()
+        except Exception as e:
+            if self._transfer is not None:
+                with contextlib.suppress(Exception):
+                    self._transfer.shutdown()
+            self._transfer = None
+            if isinstance(e, EngineError):
+                raise
+            raise EngineError(f"{self.name} failed during {what}: {type(e).__name__}: {e}") from e
+
+    def workers(self) -> int:
+        """The engine's workers, which join the transfer's group after trainer rank 0."""
+        return self.llm.llm_engine.vllm_config.parallel_config.world_size
+
+    def transfer_host(self) -> str:
+        """Where the engine's workers reach this process when --rollout.sync_addr does not say: this machine."""
+        return "127.0.0.1"
+
+    def _load_and_prove(self, load, weights, probe_ids: list[int], probe_images: list | None,
+                        trainer_probe_logprobs: torch.Tensor) -> tuple[list[str], float]:
+        """Load the weights (load()), empty the caches computed with the old ones; (what the
+        workers' proof shows wrong, group path: sync.proof_problems; the engine's probe log-probs'
+        max abs difference from the trainer's)."""
         load()
-        if self._call("prefix cache reset", self.llm.reset_prefix_cache) is False:
+        wrong = [] if isinstance(weights, dict) else sync.proof_problems(weights, self.client().rpc("sdpo_weight_proof"))
+        self._reset_caches()
+        engine_probe = torch.tensor(self.score([probe_ids], [probe_images] if probe_images else None)[0])
+        if engine_probe.shape != trainer_probe_logprobs.shape:
+            raise EngineError(f"weight sync probe: the engine scored {len(engine_probe)} tokens, the trainer "
+                              f"{len(trainer_probe_logprobs)} (image tokens expanded differently?)")
+        return wrong, (engine_probe - trainer_probe_logprobs.detach().float().cpu()).abs().max().item()
+
+    def _reset_caches(self):
+        """The prefix cache (and a vision model's encoder cache) computed with the old weights."""
+        if self._call("prefix cache reset", self._reset_prefix_cache) is False:
             # vLLM refuses while a request holds KV blocks: generations would read the old weights' cache
             raise EngineError("weight sync: vLLM did not reset its prefix cache (a request still holds KV blocks)")
         if self.vision:
             # vLLM keeps the vision tower's outputs per picture; after a reload they are stale, and
             # the reload empties the worker's copy but not the scheduler's ("Encoder cache miss").
             self._call("encoder cache reset", self.llm.llm_engine.reset_encoder_cache)
-        engine_probe = torch.tensor(self.score([probe_ids], [probe_images] if probe_images else None)[0])
-        if engine_probe.shape != trainer_probe_logprobs.shape:
-            raise EngineError(f"weight sync probe: the engine scored {len(engine_probe)} tokens, the trainer "
-                              f"{len(trainer_probe_logprobs)} (image tokens expanded differently?)")
-        return (engine_probe - trainer_probe_logprobs.detach().float().cpu()).abs().max().item()
+
+    def _reset_prefix_cache(self) -> bool:
+        return self.llm.reset_prefix_cache()
 
     def close(self):
+        if self._transfer is not None:
+            with contextlib.suppress(Exception):
+                self._transfer.shutdown()
+            self._transfer = None
         if self._sync_dir:
             shutil.rmtree(self._sync_dir, ignore_errors=True)
             self._sync_dir = None
@@ -399,6 +428,85 @@ class Engine:
             with contextlib.suppress(Exception):
                 self._reaper.wait(timeout=30)
             self._reaper = None
+
+
+def request_seeds(seed: int, prompts: int, n: int) -> list[int]:
+    """Each prompt's request seed: vLLM seeds sample j of a request with seed + j, so the prompts'
+    seeds are n apart, and no two samples of a batch share a random stream."""
+    return [seed * 1000003 + i * n for i in range(prompts)]
+
+
+class ServedEngine(Engine):
+    """An engine that `vllm serve` runs (served.py: --rollout.engine http://HOST:PORT), driven by
+    rank 0 as an Engine is: generation and scoring through its completions API, the weight sync
+    through vLLM's RL routes with the same trainer engines and proof. The server outlives the run
+    (a sweep's next run reuses it warm): the run checks it serves the run's architecture, and it
+    holds the run's weights from the first sync on, which the run makes before it generates."""
+
+    def __init__(self, url: str, model_dir: str, dtype: str, rpc_timeout_s: float = 600.0, sync_addr: str = "",
+                 public_ok: bool = False):
+        t0 = time.perf_counter()
+        self._init_state(model_dir, True, rpc_timeout_s, sync_addr)
+        self.url, self.llm, self.processes, self._reaper, self.synced = url, None, {}, None, False
+        self.name = f"the served vLLM engine at {url}"  # its calls fail as a gone server's, refused or reset
+        config = sync.checkpoint_config(model_dir)
+        self.vision = "vision_config" in config
+        if self.vision:
+            raise data.FlagError(f"--rollout.engine: image prompts do not travel through the completions API; "
+                                 f"{model_dir} is a vision-language model: drop --rollout.engine")
+        served.check_address(url, public_ok)
+        self.server = self._call("connecting", served.Server, url, rpc_timeout_s)
+        self.identity = self._call("connecting", self.server.rpc, "sdpo_begin_session", "{}")[0]
+        served.check_identity(self.identity, config, dtype, url)
+        self.start_seconds = time.perf_counter() - t0
+
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, max_tokens: int,
+                 seed: int, images: list[list] | None = None) -> list[list[Sample]]:
+        self._finish_background()
+        if images:
+            raise ValueError("a served engine takes no images")
+        if not self.synced:
+            raise EngineError(f"the served engine at {self.url} holds the weights it had before this run until the "
+                              f"run's first weight sync; a run that generates before one (--eval_only, test-time "
+                              f"self-distillation) needs an engine of its own: drop --rollout.engine")
+        version = self.weights_version
+        outputs = self._call("generate", self.server.generate, prompts, n, temperature, max_tokens,
+                             request_seeds(seed, len(prompts), n))
+        result = [[Sample(prompt_ids=list(prompt), response_ids=ids, logprobs=logprobs, text=text,
+                          truncated=finish == "length", policy_version=version)
+                   for ids, logprobs, text, finish in samples] for prompt, samples in zip(prompts, outputs)]
+        self._idle_since = time.perf_counter()
+        return result
+
+    def score(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
+        self._finish_background()
+        return self._call("score", self.server.score, sequences)
+
+    def update_weights(self, weights, *args, **kwargs) -> SyncResult:
+        if isinstance(weights, dict):
+            raise ValueError("a served engine takes its weights through vLLM's transfer API (a sync.PolicySource)")
+        result = super().update_weights(weights, *args, **kwargs)
+        self.synced = True
+        return result
+
+    def client(self):
+        return self.server.client()
+
+    def workers(self) -> int:
+        return self._call("weight transfer set-up", self.server.workers)
+
+    def transfer_host(self) -> str:
+        return served.local_address(self.server.host, self.server.port)
+
+    def _reset_prefix_cache(self) -> bool:
+        return self.server.reset_prefix_cache()
+
+    def close(self):
+        """The trainer's side of the transfer, and the server's; the server itself stays up."""
+        if self._transfer is not None:
+            with contextlib.suppress(Exception):
+                self.client().shutdown_weight_transfer_engine()
+        super().close()
 
 
 @torch.no_grad()
@@ -444,6 +552,16 @@ def start_engine(cfg: Config, model_dir: str, tokenizer, rows: list, d: Dist):
     engine sets up its own single-process distributed state."""
     # Generating ahead runs the engine beside the trainer's computation: in its own process,
     # not in a thread of the trainer's (the GIL, and on CPU the trainer's OpenMP threads).
+    if cfg.rollout.engine:  # served by `vllm serve`, elsewhere or beside
+        if cfg.rollout.sync == "file":
+            raise data.FlagError("--rollout.sync file cannot reach a served engine (--rollout.engine): use "
+                                 "--rollout.sync group")
+        if d.device.type == "cpu":
+            torch.set_num_threads(cpu_split(cfg)[2])
+        status(d, f"engine: connecting to the served vLLM engine at {cfg.rollout.engine}")
+        return rank0_call(d, lambda: ServedEngine(
+            cfg.rollout.engine, model_dir, sync.engine_dtype(cfg, d.device), cfg.rollout.rpc_timeout_s,
+            cfg.rollout.sync_addr, cfg.rollout.engine_public), share=False)
     own = engine_in_own_process(cfg, d.world, d.device.type == "cuda")
     cores = None
     if d.device.type == "cpu":  # before the engine starts: an in-process one forbids changing threads after

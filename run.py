@@ -114,11 +114,14 @@ def train(cfg: Config, model_dir: str, d: Dist) -> dict:
 
 def restore(cfg: Config, resume: str, trainer: Trainer, engine, tokenizer, logger: Logger, d: Dist):
     """(the step to continue from, the batch generated ahead, each held-out row's success at
-    step 0) from the checkpoint in resume (none: a fresh start); the engine gets its weights."""
-    if not resume:
+    step 0) from the checkpoint in resume (none: a fresh start); the engine gets its weights (a
+    served engine's hold whatever it last had, docs/sync.md: a fresh start's too)."""
+    if not resume and not cfg.rollout.engine:
         return 0, None, None
-    start_step, ahead, first_eval = load_checkpoint(resume, trainer, cfg, d)
-    logger.truncate(start_step)  # a killed run logged steps past its checkpoint
+    start_step, ahead, first_eval = 0, None, None
+    if resume:
+        start_step, ahead, first_eval = load_checkpoint(resume, trainer, cfg, d)
+        logger.truncate(start_step)  # a killed run logged steps past its checkpoint
     if not objectives.OBJECTIVES[cfg.algo.name].references:  # not `engine is not None`: every rank syncs
         sync_engine(cfg, engine, trainer.models.policy, tokenizer, d, version=start_step)
     return start_step, ahead, first_eval

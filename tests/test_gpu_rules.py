@@ -231,7 +231,9 @@ def test_two_ranks_keep_the_collectives_rule_and_outwait_a_long_rank0(tiny_dir, 
     """tests/dist_rules.py: each rank's statistics, teacher forward count and discriminator sums
     reach a collective only where the GPU node's group has a backend for them (main, 9d53e47:
     CPU tensors into NCCL), and rank 1 waits out a rank-0 phase three times the group's timeout
-    (main: gloo's timeout raised; NCCL's watchdog would abort the job)."""
+    (main: gloo's timeout raised; NCCL's watchdog would abort the job), rank 0's read of the
+    checkpoint and its wait before a weight sync's first pass (b27dbf2: gloo's timeout raised in
+    policy.broadcast_weights and in sync.PolicySource.follow)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
            os.path.join(ROOT, "tests", "dist_rules.py"), str(tmp_path)]
@@ -240,7 +242,10 @@ def test_two_ranks_keep_the_collectives_rule_and_outwait_a_long_rank0(tiny_dir, 
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for outcomes in ranks:
         assert {part: outcome for part, (outcome, _) in outcomes.items()} == {
-            "statistics": "ok", "sdpo_update": "ok", "discriminator_step": "ok", "rank0_outlasts_the_timeout": "ok"}
+            "statistics": "ok", "sdpo_update": "ok", "discriminator_step": "ok", "rank0_outlasts_the_timeout": "ok",
+            "policy_load_outlasts_the_timeout": "ok", "sync_outlasts_the_timeout": "ok"}
     assert ranks[0]["statistics"][1] == ranks[1]["statistics"][1] == pytest.approx(3 / 4)  # (1 + 2) / (2 + 2)
     assert ranks[0]["sdpo_update"][1] == ranks[1]["sdpo_update"][1]
     assert ranks[1]["rank0_outlasts_the_timeout"][1] == "rank 0's result"
+    assert ranks[0]["policy_load_outlasts_the_timeout"][1] == ranks[1]["policy_load_outlasts_the_timeout"][1]
+    assert ranks[0]["sync_outlasts_the_timeout"][1] == ranks[1]["sync_outlasts_the_timeout"][1] > 10

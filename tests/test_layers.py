@@ -17,7 +17,7 @@ from test_run import ROOT, project_sources
 # The floors, bottom first, one line each: a module imports only from the floors below its own.
 FLOORS = """
 errors losses packing image_prompts
-config distributed chunked_head feedback processes
+config distributed chunked_head feedback processes served
 tasks microbatch teacher discriminator logger
 data tiny_models policy
 sdpo sync update

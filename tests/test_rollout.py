@@ -344,6 +344,29 @@ class TestInProcess:
         restore.append(engine)
         check_weight_sync(engine, hf, probe, prompts + [long_prompt], tokenizer)
 
+    def test_the_loops_sync_hands_the_tensors_over_through_vllms_api(self, engine, eos_dir, tokenizer, restore):
+        """The loop's sync (group path) to an engine in this process: vLLM's start/update/finish
+        with the policy's tensors themselves (sdpo_local, a bucket at a time), proven by the
+        digests of every checkpoint key and by the probe."""
+        import run
+        import sync
+        from distributed import Dist
+        from policy import load_policy
+        restore.append(engine)
+        d, cfg = Dist(0, 1, torch.device("cpu")), run.Config()
+        cfg.rollout.sync_bucket_mb = 1  # several update_weights calls
+        policy = load_policy(eos_dir, cfg, 1, d.device)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        metrics = sync.sync_engine(cfg, engine, policy, tokenizer, d, version=1)
+        assert metrics["sync/probe_max_abs_diff"] < TOL and metrics["sync/reloads"] == 0
+        assert type(engine._transfer).__name__ == "LocalTrainerWeightTransferEngine"
+        proof = engine.client().rpc("sdpo_weight_proof")[0]
+        assert set(proof["loaded"]) == sync.checkpoint_keys(eos_dir) and proof["waiting"] == []
+        assert max_diff(engine.score([probe_ids(tokenizer)])[0], sync.probe_logprobs(policy, tokenizer, d)[2]) < TOL
+
 
 # -----------------------------------------------------------------------------
 # engine core in its own process (what torchrun and the separate placement use)
@@ -423,12 +446,16 @@ def test_a_tied_lm_head_travels_once(tiny_dir):
     from policy import load_policy
     cpu = torch.device("cpu")
     policy = load_policy(tiny_dir, run.Config(), 1, cpu)
-    stream = sync.WeightStream(policy, Dist(0, 1, cpu), torch.float32, 1 << 20)
-    assert stream.bytes_per_pass == 4 * sum(p.numel() for p in policy.parameters())
-    entries = [e for bucket in stream.buckets_plan for e in bucket]
-    assert sorted(next(e.names for e in entries if "lm_head.weight" in e.names)) == \
-        ["lm_head.weight", "model.embed_tokens.weight"]
-    assert stream.keys == sync.checkpoint_keys(tiny_dir)
+    source = sync.PolicySource(policy, Dist(0, 1, cpu), torch.float32)
+    assert source.bytes_per_pass == 4 * sum(p.numel() for p in policy.parameters())
+    names = [m.name for m in source.metadata()]
+    tied = {"model.embed_tokens.weight", "lm_head.weight"}
+    (travels,) = tied & set(names)  # one of the two names travels, the engine loads it under both
+    assert source.aliases == {travels: sorted(tied - {travels})}
+    assert source.keys == sync.checkpoint_keys(tiny_dir)
+    assert [name for name, _ in source] == names  # one pass yields what metadata() declares, in its order
+    expected = source.expected_digests()
+    assert expected["lm_head.weight"] == expected["model.embed_tokens.weight"] and set(expected) == source.keys
 
 
 def _free_port():
@@ -468,6 +495,8 @@ def check_group_vs_file(r0, r1):
         assert group["megabytes"] == r0["distinct_megabytes"]  # a tied head travels once under FSDP2 too
     assert [row["group"]["megabytes"] for row in r1["group_vs_file"]] == \
         [row["group"]["megabytes"] for row in r0["group_vs_file"]]
+    from dist_sync import order_violations
+    assert order_violations([r0["order"], r1["order"]]) == []
 
 
 def test_two_rank_torchrun_sync(tiny_dir, tmp_path):
@@ -486,4 +515,15 @@ def test_two_rank_torchrun_sync(tiny_dir, tmp_path):
     assert max_diff(r0["engine_after"], r0["engine_before"]) > 0.05
     # the trainers' all-reduce still works after the engine started: 1 + 2
     assert r0["all_reduce"] == r1["all_reduce"] == 3.0
+    assert r0["weight_group_closed"]  # the engine's close destroyed rank 0's side of the weight group
     check_group_vs_file(r0, r1)  # two more steps, each synced both ways
+    # a sync that silently leaves out a tensor, or a bucket in bf16, is named on every rank
+    for r in (r0, r1):
+        proof = r["proof"]
+        assert proof["dropped"]["tensor"] == ["model.layers.1.mlp.down_proj.weight"]
+        assert "never loaded 1 tensors, e.g. ['model.layers.1.mlp.down_proj.weight']" in proof["tensor"], proof["tensor"]
+        assert "model.layers.1.mlp.down_proj (0 of" in proof["tensor"]  # and the layer keeps its old weights
+        dropped = proof["dropped"]["bucket"]
+        assert len(dropped) > 1 and f"never loaded {len(dropped)} tensors, e.g. {dropped[:5]}" in proof["bucket"], \
+            proof["bucket"]
+        assert proof["repaired_probe_diff"] < TOL
