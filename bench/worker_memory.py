@@ -12,7 +12,7 @@ engine core (VLLM::EngineCore) and its worker (VLLM::Worker), each with the step
 logged. Printed per process: its RSS at the first quarter of the steps and at the end, and the
 slope over the last half of the steps (least squares, MB a step):
 
-    RESULT process=worker steps=1000 rss_quarter_mb=... rss_end_mb=... slope_last_half_mb_per_step=...
+    RESULT process=worker steps=1000 rss_quarter_mb=... rss_last_step_mb=... slope_last_half_mb_per_step=...
 
 --scale: `bench/scale.py --worlds 1 --syncs N --trace` (a random Qwen2-0.5B-shaped model: 494M
 parameters, 1.98 GB in float32), then the worker's RSS in its trace just before each sync and
@@ -37,7 +37,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MB = 1e6
-KINDS = {"VLLM::EngineCor": "engine_core", "VLLM::Worker": "worker"}  # process names (15 characters at most)
+# process names: the kernel's (15 characters) or, where psutil reads the command line, the whole title
+KINDS = {"VLLM::EngineCor": "engine_core", "VLLM::Worker": "worker"}
 
 
 def parse_args():
@@ -48,6 +49,7 @@ def parse_args():
     p.add_argument("--trace", default="", help="write every sample here (JSON)")
     p.add_argument("--scale", action="store_true", help="bench/scale.py's syncs at 0.49B instead of a run")
     p.add_argument("--syncs", type=int, default=20, help="--scale: syncs of each path")
+    p.add_argument("--report", default="", help="print the RESULT lines of a --trace file written before, run nothing")
     p.add_argument("flags", nargs="*", help="run.py flags (after --)")
     return p.parse_args()
 
@@ -57,7 +59,8 @@ def kind_of(process, root_pid: int) -> str | None:
     if process.pid == root_pid:
         return "trainer"
     try:
-        return KINDS.get(process.name())
+        name = process.name()
+        return next((kind for prefix, kind in KINDS.items() if name.startswith(prefix)), None)
     except Exception:  # ended meanwhile
         return None
 
@@ -135,16 +138,22 @@ def run_job(args):
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump({"flags": flags, "env": args.env, "samples": sampler.samples}, f)
-    steps = max((s for _, s, _ in sampler.samples if s), default=0)
+    report(sampler.samples)
+    return code
+
+
+def report(samples: list):
+    """The RESULT lines of a run's samples; those taken once its last step is logged are its
+    shutdown (the engine freeing its memory), not a step's, and are left out."""
+    steps = max((s for _, s, _ in samples if s), default=0)
     for kind in ("trainer", "engine_core", "worker"):
-        series = [(s, row[kind] / MB) for _, s, row in sampler.samples if s and kind in row]
+        series = [(s, row[kind] / MB) for _, s, row in samples if s and s < steps and kind in row]
         if not series:
             continue
         quarter = next((v for s, v in series if s >= steps / 4), float("nan"))
         last_half = [(s, v) for s, v in series if s >= steps / 2]
-        print(f"RESULT process={kind} steps={steps} rss_quarter_mb={quarter:.0f} rss_end_mb={series[-1][1]:.0f} "
+        print(f"RESULT process={kind} steps={steps} rss_quarter_mb={quarter:.0f} rss_last_step_mb={series[-1][1]:.0f} "
               f"rss_max_mb={max(v for _, v in series):.0f} slope_last_half_mb_per_step={slope(last_half):.4f}")
-    return code
 
 
 def run_scale(args):
@@ -183,4 +192,7 @@ def run_scale(args):
 
 if __name__ == "__main__":
     arguments = parse_args()
+    if arguments.report:
+        with open(arguments.report) as f:
+            sys.exit(report(json.load(f)["samples"]))
     sys.exit(run_scale(arguments) if arguments.scale else run_job(arguments))
