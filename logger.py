@@ -37,6 +37,11 @@ SHOWN = {"reward/mean": "reward", "reward/success_rate": "success", "eval/succes
          "gad/d_acc": "d_acc", "time/step_s": "s/step"}
 
 
+def last_steps(window: list, value: float) -> list:
+    """window with value appended, its last FLAT_TEACHER_WINDOW values: what a warning reads."""
+    return (window + [value])[-FLAT_TEACHER_WINDOW:]
+
+
 def samples_table(records: list[dict]):
     """log_samples' records as a wandb Table. A cell holds text (wandb cannot type a list of
     parts): a prompt with pictures becomes its text parts with each picture as "<image>"."""
@@ -90,7 +95,7 @@ class Logger:
         gap = record.get(FLAT_TEACHER_METRIC)
         if gap is None or FLAT_TEACHER_METRIC in self.warned:
             return
-        self.recent_gaps = (self.recent_gaps + [gap])[-FLAT_TEACHER_WINDOW:]
+        self.recent_gaps = last_steps(self.recent_gaps, gap)
         window_mean = sum(self.recent_gaps) / len(self.recent_gaps)
         if gap > FLAT_TEACHER_NATS:
             why = f"{gap:+.3f} nats (> {FLAT_TEACHER_NATS})"
@@ -112,7 +117,7 @@ class Logger:
         right, wrong = record.get(DEMO_RIGHT), record.get(DEMO_WRONG)
         if right is None or wrong is None:
             return {}
-        self.recent_demo = (self.recent_demo + [right - wrong])[-FLAT_TEACHER_WINDOW:]
+        self.recent_demo = last_steps(self.recent_demo, right - wrong)
         k = len(self.recent_demo)
         mean = sum(self.recent_demo) / k
         if k < 2:
@@ -183,15 +188,15 @@ class Logger:
         path = self.file.name
         self.file.close()
         with open(path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+            kept = [(line, record) for line in f if line.strip() and (record := json.loads(line))["step"] <= step]
         with open(path + ".partial", "w") as f:
-            f.writelines(kept)
+            f.writelines(line for line, _ in kept)
         os.replace(path + ".partial", path)
         self.file = open(path, "ab", buffering=0)
-        for record in map(json.loads, kept):
+        for _, record in kept:
             self.right_minus_wrong(record)
             if FLAT_TEACHER_METRIC in record:
-                self.recent_gaps = (self.recent_gaps + [record[FLAT_TEACHER_METRIC]])[-FLAT_TEACHER_WINDOW:]
+                self.recent_gaps = last_steps(self.recent_gaps, record[FLAT_TEACHER_METRIC])
 
     def close(self):
         if self.bar is not None:
