@@ -275,7 +275,7 @@ def trl_result(seed: int, common: list[str], args, files: dict, out: str, baseli
     """The reference (bench/trl_sdpo.py: TRL's SDPOTrainer, demonstrations, the run.py flags' rate,
     warm-up, optimizer steps per batch and micro-batch), its final model evaluated by `run.py
     --eval_only` on the same rows and sampling seed, the gain paired with baseline's step 0."""
-    from config import parse_config
+    from flags import parse_config
     name = "trl_sdpo" if seed == 0 else f"trl_sdpo-seed{seed}"
     run_dir, eval_dir = os.path.join(out, name), os.path.join(out, name, "eval")
     cfg = parse_config(common + ["--algo=sdpo"])  # the rate, warm-up and layout our SDPO runs take

@@ -207,7 +207,7 @@ def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: floa
 @dataclass
 class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     """The workers' side of the handshake: the group's address, their first rank, its size, and
-    the bucket size the trainer packs with (both sides cut the same buckets: bucket_plan)."""
+    the bucket size the trainer groups tensors by (both sides cut the same buckets: bucket_plan)."""
     master_address: str
     master_port: int
     rank_offset: int
@@ -266,10 +266,11 @@ class GlooReceiver(WeightTransferEngine):
         sizes = [nbytes_of(dtype, shape) for _, dtype, shape in entries]
         buckets = bucket_plan(sizes, self.bucket_bytes)
 
-        def receive(bucket):
+        def receive(bucket):  # each tensor straight into its place: the sender does not pack
             last, offset = bucket[-1]
             buf = torch.empty(offset + sizes[last], dtype=torch.uint8, device=self.device)
-            self.group.broadcast(buf, 0).wait()
+            for work in [self.group.broadcast(buf[at:at + sizes[i]], 0) for i, at in bucket]:
+                work.wait()
             return buf
         with ThreadPoolExecutor(1) as receiver:
             arriving = receiver.submit(receive, buckets[0]) if buckets else None
@@ -436,9 +437,9 @@ class GlooTrainerInitInfo(TrainerInitInfo):
 
 
 class GlooTrainerWeightTransferEngine(OursTrainerEngine):
-    """Trainer side of sdpo_gloo: the sender packs the tensors into buckets and broadcasts each,
-    waiting for it to arrive before it takes the next tensor, while the workers' update_weights
-    receives them. A failure stops the sending, not the iteration: the other ranks' gathers
+    """Trainer side of sdpo_gloo: the sender gathers a bucket's tensors, broadcasts each as it is
+    (no packing copy) and waits for them to arrive before it takes the next tensor, while the
+    workers' update_weights receives them into one buffer per bucket. A failure stops the sending, not the iteration: the other ranks' gathers
     complete, then the sender raises."""
     init_info_cls = GlooTrainerInitInfo
     group = None
@@ -466,33 +467,28 @@ class GlooTrainerWeightTransferEngine(OursTrainerEngine):
     def _broadcast(self, pairs, info, receiving: Job):
         """The buckets, each sent once its tensors are in; the first error, after the whole pass."""
         sizes = [nbytes_of(d, s) for d, s in zip(info.dtype_names, info.shapes)]
-        error, buf = None, None
+        error = None
         for bucket in bucket_plan(sizes, self.info.bucket_bytes):
             tensors = [next(pairs)[1] for _ in bucket]  # gathered by every rank, whatever happens here
             if error is not None:
                 continue
-            try:
-                if len(bucket) == 1:
-                    packed = tensors[0].contiguous().reshape(-1).view(torch.uint8)
-                else:
-                    if buf is None:
-                        buf = torch.empty(self.info.bucket_bytes, dtype=torch.uint8)
-                    for (i, at), tensor in zip(bucket, tensors):
-                        buf[at:at + sizes[i]].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
-                    packed = buf[:bucket[-1][1] + sizes[bucket[-1][0]]]
-                self._send(packed, receiving)
+            try:  # each tensor as gathered: no copy into a bucket buffer on the sender's critical path
+                self._send([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors], receiving)
             except Exception as e:  # raised after the pass: the other ranks' gathers go on meanwhile
                 error = e
         for _ in pairs:  # _checked_iter's count check
             pass
         return error
 
-    def _send(self, packed: torch.Tensor, receiving: Job):
-        work = self.group.broadcast(packed, 0)
-        while not work.is_completed():  # the workers' failure ends the wait, not the group's timeout
-            receiving.check()
-            time.sleep(0.001)
-        work.wait()
+    def _send(self, parts: list[torch.Tensor], receiving: Job):
+        """One bucket: a broadcast per tensor, all issued at once, each waited for (the workers
+        receive them into one buffer at bucket_plan's offsets)."""
+        works = [self.group.broadcast(part, 0) for part in parts]
+        for work in works:
+            while not work.is_completed():  # the workers' failure ends the wait, not the group's timeout
+                receiving.check()
+                time.sleep(0.001)
+            work.wait()
 
     def shutdown(self):
         close_group(self)
