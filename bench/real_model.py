@@ -445,7 +445,8 @@ def verdicts(results: list[dict]) -> list[str]:
 
 def run_all(args, algos: list[str], common: list[str], files: dict, out: str) -> list[dict]:
     """Each objective for each seed, in order (or their figures, --summarize / --reuse)."""
-    results, baseline = [], ""
+    start = os.path.join(out, "start")  # a step-0 evaluation already made (evaluate_start) serves every run
+    results, baseline = [], start if os.path.exists(os.path.join(start, "eval_rows.jsonl")) else ""
     for seed in [int(s) for s in args.seeds.split(",")]:
         for algo in algos:
             if algo == "trl_sdpo":
