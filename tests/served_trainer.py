@@ -32,8 +32,8 @@ def main(url: str, model_dir: str, when: str):
     else:
         real_send = transfer.GlooTrainerWeightTransferEngine._send
 
-        def send_one_then_die(self, parts, receiving):
-            real_send(self, parts, receiving)
+        def send_one_then_die(self, part, receiving):
+            real_send(self, part, receiving)
             os._exit(9)
         transfer.GlooTrainerWeightTransferEngine._send = send_one_then_die
     engine._transfer_weights(sync.PolicySource(policy, d, torch.float32, bucket_bytes=1 << 20))

@@ -437,9 +437,9 @@ class GlooTrainerInitInfo(TrainerInitInfo):
 
 
 class GlooTrainerWeightTransferEngine(OursTrainerEngine):
-    """Trainer side of sdpo_gloo: the sender gathers a bucket's tensors, broadcasts each as it is
-    (no packing copy) and waits for them to arrive before it takes the next tensor, while the
-    workers' update_weights receives them into one buffer per bucket. A failure stops the sending, not the iteration: the other ranks' gathers
+    """Trainer side of sdpo_gloo: the sender broadcasts each tensor as gathered and waits for it to
+    arrive before it takes the next, while the workers' update_weights receives them, a bucket's
+    into one buffer. A failure stops the sending, not the iteration: the other ranks' gathers
     complete, then the sender raises."""
     init_info_cls = GlooTrainerInitInfo
     group = None
@@ -458,37 +458,33 @@ class GlooTrainerWeightTransferEngine(OursTrainerEngine):
         info = GlooWeightTransferUpdateInfo([m.name for m in meta], [str(m.dtype).split(".")[-1] for m in meta],
                                             [list(m.shape) for m in meta])
         receiving = Job(lambda: self.client.update_weights(asdict(info)))
-        error = self._broadcast(pairs, info, receiving)
+        error = self._broadcast(pairs, receiving)
         if error is not None:
             self.shutdown()  # in an unknown state; the next sync opens a new one
             raise error
         receiving.result()
 
-    def _broadcast(self, pairs, info, receiving: Job):
-        """The buckets, each sent once its tensors are in; the first error, after the whole pass."""
-        sizes = [nbytes_of(d, s) for d, s in zip(info.dtype_names, info.shapes)]
+    def _broadcast(self, pairs, receiving: Job):
+        """Each tensor sent as soon as it is gathered and waited for before the next gather (the
+        workers receive a bucket's tensors into one buffer: bucket_plan); the first error, after
+        the whole pass. One gathered tensor at a time: its memory is reused by the next gather."""
         error = None
-        for bucket in bucket_plan(sizes, self.info.bucket_bytes):
-            tensors = [next(pairs)[1] for _ in bucket]  # gathered by every rank, whatever happens here
+        for _, tensor in pairs:  # gathered by every rank, whatever happens here; _checked_iter counts
             if error is not None:
                 continue
-            try:  # each tensor as gathered: no copy into a bucket buffer on the sender's critical path
-                self._send([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors], receiving)
+            try:
+                self._send(tensor.contiguous().reshape(-1).view(torch.uint8), receiving)
             except Exception as e:  # raised after the pass: the other ranks' gathers go on meanwhile
                 error = e
-        for _ in pairs:  # _checked_iter's count check
-            pass
         return error
 
-    def _send(self, parts: list[torch.Tensor], receiving: Job):
-        """One bucket: a broadcast per tensor, all issued at once, each waited for (the workers
-        receive them into one buffer at bucket_plan's offsets)."""
-        works = [self.group.broadcast(part, 0) for part in parts]
-        for work in works:
-            while not work.is_completed():  # the workers' failure ends the wait, not the group's timeout
-                receiving.check()
-                time.sleep(0.001)
-            work.wait()
+    def _send(self, part: torch.Tensor, receiving: Job):
+        work, pause = self.group.broadcast(part, 0), 1e-5
+        while not work.is_completed():  # the workers' failure ends the wait, not the group's timeout
+            receiving.check()
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)  # most tensors are small: don't sleep a millisecond on each
+        work.wait()
 
     def shutdown(self):
         close_group(self)
