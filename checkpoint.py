@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from errors import PathError
-from errors import disk_full, no_space
+from errors import PathError, disk_full, no_space
 from distributed import Dist, rank0_call
 from sync import full_state_dict
 
