@@ -88,10 +88,10 @@ def main():
     gains = real_model.gains_by_algo(results)
     diffs = real_model.minus_grpo(results, "sdpo_demo")
     nan = (float("nan"), float("nan"))
-    gain = lambda algo: f"{gains.get(algo, nan)[0]:.4f} {algo}_gain_se={gains.get(algo, nan)[1]:.4f}"
+    gain = lambda name, algo: f"{name}_gain={gains.get(algo, nan)[0]:.4f} {name}_gain_se={gains.get(algo, nan)[1]:.4f}"
     d, se = real_model.mean_over_seeds([(v, e) for _, v, e in diffs]) if diffs else nan
     lines.append(f"RESULT icl_warm_start {gap_fields(before, 'before')} {gap_fields(after, 'after')} "
-                 f"grpo_gain={gain('grpo')} sdpo_gain={gain('sdpo_demo')} hybrid_gain={gain('hybrid')} "
+                 f"{gain('grpo', 'grpo')} {gain('sdpo', 'sdpo_demo')} {gain('hybrid', 'hybrid')} "
                  f"sdpo_minus_grpo={d:.4f} se={se:.4f} seeds={len(diffs)}")
     print("\n".join(real_model.verdicts(results) + lines), flush=True)
 
